@@ -1,0 +1,85 @@
+"""Shared test helpers: run a lesson exactly as a user does, and make sure no process outlives a test."""
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MARKER = "COURSE_TEST_PROCESS"  # every process a test starts inherits this variable, so leftovers can be found
+
+
+def lesson_env(marker):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **{MARKER: marker})
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def run_lesson(script, *args, cwd=None, timeout=120, marker="", launcher=(sys.executable,)):
+    """Run `python <repo>/<script> args...` as a subprocess; return the CompletedProcess (stdout, stderr, returncode)."""
+    cmd = [*launcher, str(REPO / script), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd or REPO, env=lesson_env(marker), capture_output=True, text=True, timeout=timeout)
+
+
+def start_lesson(script, *args, cwd=None, marker=""):
+    """Like run_lesson, but returns the running Popen (for concurrent runs)."""
+    cmd = [sys.executable, str(REPO / script), *map(str, args)]
+    return subprocess.Popen(cmd, cwd=cwd or REPO, env=lesson_env(marker), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def processes_with_marker(marker):
+    """PIDs of live processes whose environment carries this test's marker (Linux /proc only)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"{MARKER}={marker}".encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.fixture
+def lesson(request):
+    """Runs lessons for a test, then checks that none of the processes they started is still alive."""
+    marker = uuid.uuid4().hex
+
+    class Runner:
+        tag = marker
+
+        def run(self, script, *args, **kw):
+            return run_lesson(script, *args, marker=marker, **kw)
+
+        def start(self, script, *args, **kw):
+            return start_lesson(script, *args, marker=marker, **kw)
+
+    yield Runner()
+    if not Path("/proc/self/environ").exists():
+        return
+    deadline = time.monotonic() + 10
+    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    assert not left, f"processes left running after the test: {left}"
+
+
+def last_line_matching(pattern, text):
+    lines = [line for line in text.splitlines() if re.search(pattern, line)]
+    assert lines, f"no line matching {pattern!r} in output:\n{text}"
+    return lines[-1]
+
+
+def number_after(label, line):
+    """The float that follows `label` in a printed line, e.g. number_after('max |dw|', line)."""
+    m = re.search(re.escape(label) + r"\s*:?\s*([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)", line)
+    assert m, f"no number after {label!r} in: {line}"
+    return float(m.group(1))

@@ -1,0 +1,85 @@
+"""What the READMEs show is what really happens.
+
+Markers, written as an HTML comment on the line just before a fenced block:
+  ```python            (no marker)  runnable: copied to a file, run with python, must exit 0
+  <!-- fragment -->    ```python    an excerpt, not meant to run alone (the README says so)
+  <!-- mistake: TEXT --> ```python  deliberately wrong: must exit non-zero and print TEXT
+  <!-- output: CMD --> ```text      the output CMD prints (run from the repo root); numbers may differ,
+                                    a line holding only '...' stands for any number of lines
+"""
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, lesson_env
+
+READMES = [REPO / "README.md", *sorted(REPO.glob("[0-9][0-9]_*/README.md"))]
+BLOCK = re.compile(r"(?:<!--\s*(?P<mark>[^\n]*?)\s*-->[ \t]*\n)?^```(?P<lang>[\w+-]*)[ \t]*\n(?P<body>.*?)^```", re.S | re.M)
+NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?"
+
+
+def blocks():
+    for readme in READMES:
+        text = readme.read_text()
+        for m in BLOCK.finditer(text):
+            line = text.count("\n", 0, m.start("body"))
+            yield pytest.param(m.group("mark") or "", m.group("lang"), m.group("body"),
+                               id=f"{readme.relative_to(REPO)}:{line}")
+
+
+ALL_BLOCKS = list(blocks())
+PYTHON = [b for b in ALL_BLOCKS if b.values[1] == "python" and b.values[0] != "fragment"]
+OUTPUTS = [b for b in ALL_BLOCKS if b.values[0].startswith("output:")]
+
+
+def test_every_marker_is_known():
+    for mark, lang, _ in (b.values for b in ALL_BLOCKS):
+        assert mark in ("", "fragment") or mark.startswith(("mistake:", "output:")), f"unknown marker {mark!r}"
+        if mark.startswith("output:"):
+            assert lang == "text", "an output block is a ```text block"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mark, lang, code", PYTHON)
+def test_python_block(mark, lang, code, tmp_path, lesson):
+    (tmp_path / "snippet.py").write_text(code)
+    result = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=lesson_env(lesson.tag),
+                            capture_output=True, text=True, timeout=200)
+    if mark.startswith("mistake:"):
+        expected = mark.split(":", 1)[1].strip()
+        assert result.returncode != 0, f"the mistake ran without error:\n{result.stdout}"
+        assert expected in result.stdout + result.stderr, f"expected {expected!r} in:\n{result.stderr[-3000:]}"
+    else:
+        assert result.returncode == 0, f"a runnable README block failed:\n{result.stderr[-3000:]}"
+
+
+def output_pattern(expected):
+    parts = []
+    for line in expected.splitlines():
+        if line.strip() == "...":
+            parts.append(r"(?:[^\n]*\n)*?")
+        else:
+            parts.append(NUMBER.join(re.escape(piece) for piece in re.split(NUMBER, line)) + r"[ \t]*\n")
+    return re.compile("".join(parts))
+
+
+def test_output_pattern_can_fail():
+    pattern = output_pattern("PROOF PASSED: max 1.0e-08\n...\ndone in 3 s\n")
+    assert pattern.fullmatch("PROOF PASSED: max 4.5e-07\nanything\nelse\ndone in 12 s\n")
+    assert not pattern.fullmatch("PROOF FAILED: max 4.5e-07\ndone in 12 s\n")
+    assert not pattern.fullmatch("PROOF PASSED: max 4.5e-07\ndone in 12 s\nan extra line\n")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mark, lang, expected", OUTPUTS)
+def test_expected_output_is_what_the_command_prints(mark, lang, expected, lesson):
+    command = shlex.split(mark.split(":", 1)[1])
+    if command[0] in ("python", "python3"):
+        command[0] = sys.executable
+    result = subprocess.run(command, cwd=REPO, env=lesson_env(lesson.tag), capture_output=True,
+                            text=True, timeout=280)
+    assert output_pattern(expected).fullmatch(result.stdout), (
+        f"README output block does not match what `{mark}` prints now:\n{result.stdout}\n{result.stderr[-2000:]}")
