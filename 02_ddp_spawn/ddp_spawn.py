@@ -67,13 +67,14 @@ def choose_backend(backend, device, world_size, error):
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
-        error(f"--backend nccl needs one GPU per rank: world size {world_size}, but {gpus} GPU(s) visible; use --backend gloo")
+        error(f"--backend nccl needs --device cuda and one GPU per rank (world size {world_size}, "
+              f"{gpus} GPU(s) visible); use --backend gloo")
     if device == "cuda":
         reason = f"{gpus} GPU(s) visible, one per rank"
-    elif gpus == 0:
-        reason = "no GPU visible"
+    elif gpus >= world_size:
+        reason = "CPU requested"
     else:
-        reason = f"{gpus} GPU(s) visible for {world_size} ranks, or CPU requested"
+        reason = "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
     return backend, device, reason
 
 
