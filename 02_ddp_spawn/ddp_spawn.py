@@ -10,6 +10,7 @@ gets by training the same initial model on the concatenated global batches.
 import argparse
 import copy
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -173,6 +174,8 @@ def worker(rank, args, port, out_dir, verbose=True):
         state = {k: v.cpu() for k, v in model.module.state_dict().items()}  # .module: no "module." prefix
         torch.save({"state": state, "local_losses": local_losses, "mean_losses": mean_losses, "sync_report": sync_report},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        del model, optimizer  # DDP holds the process group: release it now, not during interpreter shutdown
+        gc.collect()          # (measured: without this, ~5-30% of gloo runs aborted at exit with SIGABRT)
     finally:
         dist.destroy_process_group()
 
