@@ -182,13 +182,13 @@ def flat_grad(model):
 
 
 def dataparallel_here(batch_size):
-    """nn.DataParallel on THIS machine. Without a GPU, device_ids == [] and forward() calls the module: returns True
-    when that holds (or when there are GPUs, so that it does not apply), and prints what the building blocks do."""
+    """nn.DataParallel on THIS machine. Without a GPU, device_ids == [] and forward() calls the module: prints what it
+    and its building blocks do. Returns (the check holds or does not apply, nn.DataParallel is a pass-through here)."""
     net, x = make_model(8), make_batch(batch_size)[0]
     dp = nn.DataParallel(net)
     if dp.device_ids:
         print(f"nn.DataParallel(net) here: device_ids {dp.device_ids}, so it is no pass-through on this machine")
-        return True
+        return True, False
     print("nn.DataParallel(net) here: device_ids [] (no GPU), so forward() just calls net:")
     Net.report = True
     out = dp(x)
@@ -203,7 +203,7 @@ def dataparallel_here(batch_size):
             print(f"  {name}: no error")
         except Exception as e:
             print(f"  {name}: {type(e).__name__}: {str(e).split('. ')[0].splitlines()[0]}")
-    return diff == 0
+    return diff == 0, True
 
 
 def compare_step(forward, model, x, y, report=False):
@@ -355,25 +355,27 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would change the numbers the proof compares
         model = model.cuda(0)
         wrapper = (DetachedReplicasDataParallel if args.detach_demo else nn.DataParallel)(model, device_ids=list(range(n)))
-        forward, here_ok, what = wrapper, True, f"nn.DataParallel on {n} GPUs"
+        forward, here_ok, passthrough, what = wrapper, True, False, f"nn.DataParallel on {n} GPUs"
         loss_forward = nn.DataParallel(NetWithLoss(model), device_ids=list(range(n)))  # shares model's parameters
     else:
-        here_ok = dataparallel_here(args.batch_size)
+        here_ok, passthrough = dataparallel_here(args.batch_size)
         shells = [copy.deepcopy(model) for _ in range(n)]
         forward = lambda x: hand_written_data_parallel(model, shells, x, detach=args.detach_demo)
         loss_model = NetWithLoss(model)  # shares model's parameters
         loss_shells = [copy.deepcopy(loss_model) for _ in range(n)]
         loss_forward = lambda x, y: hand_written_data_parallel(loss_model, loss_shells, x, y)
         what = f"hand-written DataParallel ({n} replica(s) in threads)"
-        wrapper = nn.DataParallel(model)  # a pass-through without GPU, but its state_dict() has the "module." prefix too
     device = "cuda" if cuda else "cpu"
     tolerance = TOLERANCE[device]
     d_out, d_grad = train_and_check(args, forward, model, device)
     x, y = (t.to(device) for t in make_batch(args.batch_size))
     print(f"scalar-loss pitfall: with a forward() that returns the loss, {what.split(' (')[0]} returns shape "
-          f"{tuple(loss_forward(x, y).shape)}, one loss per replica" + ("" if cuda else
+          f"{tuple(loss_forward(x, y).shape)}, one loss per replica" + ("" if cuda or not passthrough else
           f" (nn.DataParallel without GPU returns shape {tuple(nn.DataParallel(NetWithLoss(model))(x, y).shape)}, so code that works here breaks on GPUs)"))
     scalar_loss_pitfall(loss_forward, model, x, y, tolerance)
+    if not cuda:  # a pass-through without GPU, but its state_dict() has the "module." prefix too. (With exactly one GPU
+        # its constructor would move the module there: hence a copy in that case.)
+        wrapper = nn.DataParallel(model if passthrough else copy.deepcopy(model))
     save_and_reload(wrapper, args)
     if args.repeats:
         time_on_gpus(args) if cuda else time_on_cpu(args)
