@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -43,11 +44,15 @@ def parse_args(argv=None):
     p.add_argument("--break", dest="break_", choices=["ddp", "buckets", "ring"],
                    help="break one proof on purpose: ddp forgets to divide by the world size, buckets forgets the "
                         "last bucket, ring skips a reduce-scatter step; the run must then exit 1")
+    p.add_argument("--crash-rank", type=int, metavar="R", help="rank R raises an error after the collectives part while the "
+                   "others go on into the next collective: the whole run must stop within seconds, exit 1, error shown")
     args = p.parse_args(argv)
     if args.world_size < 2 or min(args.ring_world_sizes) < 2:
         p.error(f"world sizes must be at least 2 (a collective needs company), got {args.world_size} and {args.ring_world_sizes}")
     if args.bucket_kb <= 0 or args.steps < 1 or args.timeout <= 0:
         p.error("--bucket-kb, --steps and --timeout must be positive")
+    if args.crash_rank is not None and not 0 <= args.crash_rank < args.world_size:
+        p.error(f"--crash-rank must be a rank from 0 to {args.world_size - 1}, got {args.crash_rank}")
     sizes = set(args.ring_world_sizes) if "ring" in args.only else set()
     args.world_sizes = sorted(sizes | ({args.world_size} if {"collectives", "ddp"} & set(args.only) else set()))
     args.backend, args.device, args.reason = choose_backend(args.backend, args.device, max(args.world_sizes), p.error)
@@ -282,11 +287,18 @@ def worker(rank, args, world, parts, port, out_dir):
         results = {}
         if "collectives" in parts:
             results["collectives"] = demo_collectives(rank, world, device)
+        if rank == args.crash_rank and world == args.world_size:
+            raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank); the other ranks wait in a collective")
         if "ddp" in parts:
             results["ddp"] = ddp_by_hand(rank, world, device, args)
         if "ring" in parts:
             results["ring"] = ring_checks(rank, world, device, args.break_ == "ring")
         torch.save(results, os.path.join(out_dir, f"world{world}_rank{rank}.pt"))
+    except Exception:
+        # Print this rank's own error now. mp.spawn reports the first rank to EXIT, which may be a peer whose
+        # collective merely lost its connection ("Connection reset by peer") when this rank shut down.
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
 

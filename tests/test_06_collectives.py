@@ -2,6 +2,7 @@
 import json
 import re
 import shutil
+import time
 
 import pytest
 import torch
@@ -146,8 +147,24 @@ def test_breaking_the_ring_fails_its_proof(lesson):
     assert max(r["diff"] for r in ring_rows(result.stdout)) > 0.1
 
 
+def test_a_crashed_rank_stops_the_run_within_seconds_and_its_own_error_comes_first(lesson):
+    """The peer waiting in a collective fails too ("Connection reset by peer"), and mp.spawn may report either
+    rank; the crashed rank's own error must be on stderr, before the peer's."""
+    start = time.monotonic()
+    result = lesson.run(SCRIPT, "--only", "collectives", "ddp", "--crash-rank", 1, "--timeout", 300)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    assert "RUN FAILED" in result.stderr and not proof_lines(result.stdout)
+    real = "RuntimeError: rank 1 crashed on purpose (--crash-rank)"
+    assert real in result.stderr, result.stderr[-2000:]
+    peer = result.stderr.find("rank 0 failed:")
+    assert peer == -1 or result.stderr.find(real) < peer, result.stderr[-2000:]
+    assert elapsed < 30, f"took {elapsed:.0f} s: the surviving rank waited for its 300 s timeout instead of being stopped"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--world-size", "1"], "world sizes must be at least 2"),
+    (["--crash-rank", "2"], "--crash-rank must be a rank from 0 to 1, got 2"),
     (["--ring-world-sizes", "2", "1"], "world sizes must be at least 2"),
     (["--steps", "0"], "must be positive"),
     (["--backend", "nccl"], "--backend nccl needs one GPU per rank"),
@@ -165,7 +182,7 @@ def test_help_lists_every_flag(lesson):
     result = lesson.run(SCRIPT, "--help", timeout=60)
     assert result.returncode == 0
     for flag in ["--world-size", "--ring-world-sizes", "--only", "--backend", "--device", "--bucket-kb", "--steps",
-                 "--timeout", "--out-dir", "--break"]:
+                 "--timeout", "--out-dir", "--break", "--crash-rank"]:
         assert flag in result.stdout
 
 
