@@ -14,8 +14,10 @@ import argparse
 import csv
 import json
 import os
+import resource
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -45,6 +47,18 @@ def parse_args(argv=None):
     return args, lesson_args
 
 
+def cpu_seconds():
+    """(seconds all CPUs were busy, seconds our finished child processes used), from /proc/stat and getrusage."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    except (OSError, ValueError):
+        busy = float("nan")  # not Linux: the check is skipped
+    return busy, children.ru_utime + children.ru_stime
+
+
 def main(argv=None):
     args, lesson_args = parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)
@@ -58,9 +72,14 @@ def main(argv=None):
     print(f"model: 2 stages of {args.layers} x [Linear({args.width}, {args.width}) + ReLU] (+ Linear({args.width}, 10)); "
           f"batch {args.batch_size}; {args.repeats} timed steps per variant, interleaved")
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as scratch:
+        (busy0, ours0), start = cpu_seconds(), time.perf_counter()
         if not lesson.spawn(lesson.pipeline_worker, STAGES, lesson_args, scratch, variants):
             return 1
+        (busy1, ours1), wall = cpu_seconds(), time.perf_counter() - start
         results = lesson.load_pipeline_results(scratch)
+    # Timings are only meaningful on an otherwise idle machine: how much CPU did other processes use meanwhile?
+    others = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (wall * os.cpu_count())
+    hardware["other_processes_cpu_share"] = round(others, 3)
     times = lesson.step_times(results)
     errors = lesson.pipeline_gradient_errors(lesson_args, results)
     naive = times["naive m=1"]
@@ -86,6 +105,8 @@ def main(argv=None):
         print(f"\nGPipe m=4: {gpipe4['speedup']:.2f}x over the naive split; ideal (bubble formula) {gpipe4['ideal_speedup']:.2f}x; "
               f"{gpipe4['fraction_of_ideal'] * 100:.0f}% of ideal; target {args.target * 100:.0f}%: {'MET' if verdict else 'NOT MET'}")
     print(f"gradients vs the unsplit model: max |dg| {max(errors.values()):.1e} over all variants")
+    print(f"other processes used {others * 100:.0f}% of the {os.cpu_count()} cores during the measurement"
+          + (" (more than 5%: the timings above are disturbed, run it again on an idle machine)" if others > 0.05 else ""))
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "bench_results.json"), "w") as f:
         json.dump({"hardware": hardware, "settings": {k: v for k, v in vars(args).items() if k != "out_dir"},
