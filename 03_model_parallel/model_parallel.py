@@ -64,6 +64,10 @@ def parse_args(argv=None):
                 "micro-batches the mean of per-micro-batch mean losses is not the mean over the batch")
     if args.crash_rank is not None and not 0 <= args.crash_rank < max(2, args.world_size):
         p.error(f"--crash-rank must be a rank between 0 and {max(2, args.world_size) - 1}")
+    if args.plot and not os.path.isdir(os.path.dirname(args.plot) or "."):
+        p.error(f"--plot: folder {os.path.dirname(args.plot)} does not exist")
+    if args.out_dir and os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        p.error(f"--out-dir {args.out_dir} is a file, not a folder")
     args.devices = choose_devices(args.device, args.world_size, args.part, p.error)
     return args
 
