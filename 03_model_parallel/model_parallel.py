@@ -2,22 +2,21 @@
 
     python 03_model_parallel/model_parallel.py                       # all three parts, in seconds on CPU
     python 03_model_parallel/model_parallel.py --part pipeline --microbatches 8 --plot timeline.png
-    python 03_model_parallel/model_parallel.py --no-grad-scale-demo  # part 3 without gradient scaling: its proof fails
+    python 03_model_parallel/model_parallel.py --no-grad-scale-demo  # part 3's proof fails, exit 1
 
-Part 1 (split): one process; the first half of the model on dev0, the second on dev1.
-    Proof: output and gradients equal the unsplit model's.
-Part 2 (ddp): 2 ranks, each owns a two-device model wrapped in DDP(model, device_ids=None).
-    Proof: the ranks end identical, and equal to one process trained on the global batch.
-Part 3 (pipeline): stage 0 on rank 0, stage 1 on rank 1. First by hand with send/recv, then pipelined
-    with micro-batches by torch.distributed.pipelining (PipelineStage + ScheduleGPipe / Schedule1F1B).
-    Proof: every variant's gradients equal the unsplit model's. bench_pipeline.py measures the speed-ups.
+Part 1: one process, half the model on dev0, half on dev1; proof: output and gradients equal the unsplit model's.
+Part 2: 2 ranks, each a two-device model in DDP(model, device_ids=None); proof: equal to one process on the global batch.
+Part 3: stage r on rank r, by hand with send/recv, then PipelineStage + ScheduleGPipe / Schedule1F1B with
+micro-batches; proof: gradients equal the unsplit model's. bench_pipeline.py measures the speed-ups.
 """
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -152,8 +151,10 @@ def part_split(args):
                     f"tolerance {TOLERANCE['split']:.0e})")
 
 
-def init_rank(rank, world_size, port, args, device):
-    """One process per rank: threads, process group with a timeout; returns nothing, raises on failure."""
+@contextlib.contextmanager
+def process_group(rank, world_size, port, args, device):
+    """One rank's process group, with a timeout; destroyed on the way out. A failure is printed at once: mp.spawn
+    reports whichever rank exits first, which may be a peer that lost its connection, so the first traceback is the cause."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -161,20 +162,20 @@ def init_rank(rank, world_size, port, args, device):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if device.type == "cuda" else None)
-
-
-def report_failure(rank):
-    """Print this rank's error at once. Its peers fail next (their send/recv loses the connection), and
-    mp.spawn reports whichever rank exits first, which may be a peer: the first traceback is the cause."""
-    print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    try:
+        yield
+    except BaseException:
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def ddp_worker(rank, args, port, out_dir):
     """Part 2: this rank's two-device model, wrapped in DDP. Rank r uses cuda:2r and cuda:2r+1 (or cpu, cpu)."""
     on_gpu = args.devices["ddp"][0] == "cuda"
     dev0, dev1 = (torch.device("cuda", 2 * rank), torch.device("cuda", 2 * rank + 1)) if on_gpu else (torch.device("cpu"),) * 2
-    init_rank(rank, args.world_size, port, args, dev0)
-    try:
+    with process_group(rank, args.world_size, port, args, dev0):
         model = make_model(args)
         ddp_model = DDP(TwoDeviceModel(model[0], model[1], dev0, dev1), device_ids=None)  # multi-device: device_ids=None
         optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
@@ -191,11 +192,6 @@ def ddp_worker(rank, args, port, out_dir):
                    os.path.join(out_dir, f"ddp_rank{rank}.pt"))
         del ddp_model, optimizer  # DDP holds the process group: release it before destroying the group (lesson 02)
         gc.collect()
-    except BaseException:
-        report_failure(rank)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def part_ddp(args, out_dir):
@@ -222,44 +218,38 @@ def part_ddp(args, out_dir):
                     f"{vs_single:.1e} (tolerance {TOLERANCE['ddp']:.0e})")
 
 
+def timed(events, kind, mb, fn, *a, **kw):
+    """fn(*a, **kw), appending (kind F or B, micro-batch, start, end) to events: the timeline's boxes."""
+    start = time.perf_counter()
+    out = fn(*a, **kw)
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # so that the timeline shows the GPU work, not only its launch
+    events.append((kind, mb, start, time.perf_counter()))
+    return out
+
+
 def naive_step(rank, module, x, y, events):
-    """The split across two processes, by hand: activations go forward with send, their gradients come back.
-    Appends (kind, micro-batch, start, end) of this rank's compute to events, as the pipelined variants do."""
+    """The split across two processes, by hand: activations go forward with send, their gradients come back."""
     if rank == 0:
-        start = time.perf_counter()
-        h = module(x)
-        events.append(("F", 0, start, time.perf_counter()))
+        h = timed(events, "F", 0, module, x)
         dist.send(h.detach(), dst=1)
         grad_h = torch.empty_like(h)
         dist.recv(grad_h, src=1)
-        start = time.perf_counter()
-        h.backward(grad_h)  # continue the backward pass that rank 1 started
-        events.append(("B", 0, start, time.perf_counter()))
+        timed(events, "B", 0, h.backward, grad_h)  # continue the backward pass that rank 1 started
     else:
         h = torch.empty(x.shape, device=x.device)
         dist.recv(h, src=0)
-        start = time.perf_counter()
         h.requires_grad_()  # so that backward() computes d loss / d h, the gradient rank 0 needs
-        loss = nn.functional.cross_entropy(module(h), y)
-        events.append(("F", 0, start, time.perf_counter()))
-        start = time.perf_counter()
-        loss.backward()
-        events.append(("B", 0, start, time.perf_counter()))
+        loss = timed(events, "F", 0, lambda: nn.functional.cross_entropy(module(h), y))
+        timed(events, "B", 0, loss.backward)
         dist.send(h.grad, dst=0)
 
 
 def record_into(stage, log):
-    """Wrap a PipelineStage's per-micro-batch forward and backward to append (kind, micro-batch, start, end) to log."""
+    """Wrap a PipelineStage's per-micro-batch forward and backward, so that they log their timeline boxes."""
     for method, kind in [("forward_one_chunk", "F"), ("backward_one_chunk", "B")]:
         original = getattr(stage, method)
-        def timed(mb, *a, _original=original, _kind=kind, **kw):
-            start = time.perf_counter()
-            out = _original(mb, *a, **kw)
-            if stage.device.type == "cuda":
-                torch.cuda.synchronize()  # so that the timeline shows the GPU work, not only its launch
-            log["events"].append((_kind, mb, start, time.perf_counter()))
-            return out
-        setattr(stage, method, timed)
+        setattr(stage, method, lambda mb, *a, _f=original, _k=kind, **kw: timed(log["events"], _k, mb, _f, mb, *a, **kw))
 
 
 def make_runner(name, m, rank, module, device, args):
@@ -285,8 +275,7 @@ def pipeline_worker(rank, args, port, out_dir, variants=None):
     """Part 3: rank r holds stage r. Runs each variant (name, m) once to warm up, then `repeats` timed steps."""
     variants = variants or [("naive", 1), ("GPipe", args.microbatches), ("1F1B", args.microbatches)]
     device = torch.device("cuda", rank) if args.devices["pipeline"][0] == "cuda" else torch.device("cpu")
-    init_rank(rank, 2, port, args, device)
-    try:
+    with process_group(rank, 2, port, args, device):
         module = make_model(args)[rank].to(device)  # the same initial weights as the unsplit model, our half only
         x, y = (t.to(device) for t in make_batch(args, args.batch_size, seed=1))
         runners = {f"{name} m={m}": make_runner(name, m, rank, module, device, args) for name, m in variants}
@@ -309,24 +298,15 @@ def pipeline_worker(rank, args, port, out_dir, variants=None):
         torch.save(result, os.path.join(out_dir, f"pipeline_rank{rank}.pt"))
         del runners  # the stages and schedules refer to the process group: release them first
         gc.collect()
-    except BaseException:
-        report_failure(rank)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def load_pipeline_results(out_dir):
     return [torch.load(os.path.join(out_dir, f"pipeline_rank{r}.pt"), map_location="cpu", weights_only=True) for r in (0, 1)]
 
 
-def median(values):
-    return sorted(values)[len(values) // 2]
-
-
 def step_times(results):
     """Per variant: the median over repeats of the slower rank's step time, in seconds."""
-    return {k: median([max(a, b) for a, b in zip(results[0]["times"][k], results[1]["times"][k])]) for k in results[0]["times"]}
+    return {k: statistics.median([max(a, b) for a, b in zip(results[0]["times"][k], results[1]["times"][k])]) for k in results[0]["times"]}
 
 
 def pipeline_gradient_errors(args, results):
