@@ -82,7 +82,7 @@ def choose_devices(device, world_size, part, error):
         if device == "cuda" or (device == "auto" and gpus >= needed):
             devices[name] = ("cuda", f"{gpus} GPU(s) visible, {needed} needed")
         else:
-            devices[name] = ("cpu", "no GPU visible" if gpus == 0 else "cpu requested" if device == "cpu"
+            devices[name] = ("cpu", "cpu requested" if device == "cpu" else "no GPU visible" if gpus == 0
                              else f"{needed} GPUs needed, {gpus} visible")
     return devices
 
