@@ -56,17 +56,22 @@ def parse_args(argv=None):
         p.error("--width, --layers, --batch-size, --steps, --repeats and --timeout must be positive")
     if args.world_size < 1:
         p.error(f"--world-size must be at least 1, got {args.world_size}")
-    if args.microbatches < 2:
+    pipeline = args.part in ("all", "pipeline")
+    if pipeline and args.microbatches < 2:
         p.error(f"--microbatches must be at least 2 (Schedule1F1B needs one per stage), got {args.microbatches}")
-    if args.batch_size % args.microbatches:
+    if pipeline and args.batch_size % args.microbatches:
         p.error(f"--batch-size {args.batch_size} must be divisible by --microbatches {args.microbatches}: with unequal "
                 "micro-batches the mean of per-micro-batch mean losses is not the mean over the batch")
-    if args.crash_rank is not None and not 0 <= args.crash_rank < max(2, args.world_size):
-        p.error(f"--crash-rank must be a rank between 0 and {max(2, args.world_size) - 1}")
-    if args.plot and not os.path.isdir(os.path.dirname(args.plot) or "."):
-        p.error(f"--plot: folder {os.path.dirname(args.plot)} does not exist")
-    if args.out_dir and os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-        p.error(f"--out-dir {args.out_dir} is a file, not a folder")
+    ranks = max(args.world_size if args.part in ("all", "ddp") else 0, 2 if pipeline else 0)  # part 1 has no ranks
+    if args.crash_rank is not None and not 0 <= args.crash_rank < ranks:
+        p.error(f"--crash-rank must be a rank of part 2 or 3 (0 to {ranks - 1})" if ranks else "--crash-rank needs part 2 or 3")
+    if args.plot and (os.path.splitext(args.plot)[1].lower() != ".png" or not os.path.isdir(os.path.dirname(args.plot) or ".")):
+        p.error(f"--plot needs a .png file name in an existing folder, got {args.plot}")
+    if args.out_dir:
+        try:
+            os.makedirs(args.out_dir, exist_ok=True)
+        except OSError as e:
+            p.error(f"--out-dir {args.out_dir}: {e.strerror}")
     args.devices = choose_devices(args.device, args.world_size, args.part, p.error)
     return args
 
@@ -152,7 +157,7 @@ def part_split(args):
 
 
 @contextlib.contextmanager
-def process_group(rank, world_size, port, args, device):
+def process_group(rank, world_size, port, args, device, bind_device=True):
     """One rank's process group, with a timeout; destroyed on the way out. A failure is printed at once: mp.spawn
     reports whichever rank exits first, which may be a peer that lost its connection, so the first traceback is the cause."""
     if device.type == "cuda":
@@ -161,7 +166,7 @@ def process_group(rank, world_size, port, args, device):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" and bind_device else None)
     try:
         yield
     except BaseException:
@@ -175,7 +180,8 @@ def ddp_worker(rank, args, port, out_dir):
     """Part 2: this rank's two-device model, wrapped in DDP. Rank r uses cuda:2r and cuda:2r+1 (or cpu, cpu)."""
     on_gpu = args.devices["ddp"][0] == "cuda"
     dev0, dev1 = (torch.device("cuda", 2 * rank), torch.device("cuda", 2 * rank + 1)) if on_gpu else (torch.device("cpu"),) * 2
-    with process_group(rank, args.world_size, port, args, dev0):
+    # device_id binds an NCCL group to ONE device; this process also runs collectives on dev1, so it stays unbound
+    with process_group(rank, args.world_size, port, args, dev0, bind_device=dev0 == dev1):
         model = make_model(args)
         ddp_model = DDP(TwoDeviceModel(model[0], model[1], dev0, dev1), device_ids=None)  # multi-device: device_ids=None
         optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)

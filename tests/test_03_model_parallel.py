@@ -121,10 +121,22 @@ BAD_INPUT = [
     (["--microbatches", "0"], "--microbatches must be at least 2"),
     (["--batch-size", "30"], "--batch-size 30 must be divisible by --microbatches 4"),
     (["--width", "0"], "must be positive"),
-    (["--crash-rank", "5"], "--crash-rank must be a rank between 0 and 1"),
+    (["--crash-rank", "5"], "--crash-rank must be a rank of part 2 or 3 (0 to 1)"),
+    (["--part", "ddp", "--world-size", "1", "--crash-rank", "1"], "--crash-rank must be a rank of part 2 or 3 (0 to 0)"),
+    (["--part", "split", "--crash-rank", "0"], "--crash-rank needs part 2 or 3"),
     (["--device", "cuda"], "--device cuda: part split needs 2 GPUs"),
-    (["--plot", "no_such_folder/timeline.png"], "--plot: folder no_such_folder does not exist"),
+    (["--plot", "no_such_folder/timeline.png"], "--plot needs a .png file name in an existing folder"),
+    (["--plot", "."], "--plot needs a .png file name in an existing folder"),
+    (["--out-dir", __file__ + "/sub"], "--out-dir"),
 ]
+
+
+def test_part_2_alone_does_not_check_micro_batches():
+    """Part 2 has no micro-batches: a batch of 30 with the default 4 micro-batches is fine there."""
+    sys.path.insert(0, str(REPO / "03_model_parallel"))
+    import model_parallel
+    args = model_parallel.parse_args(["--part", "ddp", "--batch-size", "30"])
+    assert args.batch_size == 30
 
 
 def test_impossible_choices_are_clear_errors_from_the_command_line(lesson):
