@@ -67,6 +67,11 @@ def parse_args(argv=None):
             p.error("--crash-at-epoch leaves a checkpoint to resume from: name its folder with --ckpt-dir DIR")
     if not args.resume and args.crash_at_epoch is None and args.epochs < 2:
         p.error("the demonstration crashes in epoch --epochs // 2 and resumes, so it needs --epochs 2 or more")
+    if args.ckpt_dir:
+        try:
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+        except OSError as e:
+            p.error(f"--ckpt-dir {args.ckpt_dir}: {e.strerror}")
     args.backend, args.device, args.reason = choose_backend(args.backend, args.device, args.world_size, p.error)
     if args.resume:
         try:
@@ -240,6 +245,8 @@ def save_checkpoint(path, model, optimizer, epoch, step, history, args, device):
 
 def read_checkpoint(path, args):
     """Load and check a checkpoint in the parent, before any rank starts; raises CheckpointError with one clear line."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a folder; pass the checkpoint file in it, e.g. {os.path.join(path, CHECKPOINT)}")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
@@ -400,6 +407,8 @@ def error_line(e):
 
 def crash_run(args):
     """--crash-at-epoch K: train until the last rank is killed in epoch K; always exit 1."""
+    path = os.path.join(args.ckpt_dir, CHECKPOINT)
+    before = os.stat(path).st_mtime_ns if os.path.isfile(path) else None  # a checkpoint left by an earlier run
     start = time.perf_counter()
     try:
         run(args, [job(args.ckpt_dir, crash_at_epoch=args.crash_at_epoch, verbose=True)])
@@ -408,11 +417,15 @@ def crash_run(args):
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         print(f"\nRUN FAILED after {time.perf_counter() - start:.1f} s: a rank stopped, so every rank was stopped.\n{e}",
               file=sys.stderr)
-    path = os.path.join(args.ckpt_dir, CHECKPOINT)
-    if not os.path.isfile(path):
-        print("no checkpoint was written: the crash came before the end of the first epoch", file=sys.stderr)
+    if not os.path.isfile(path) or os.stat(path).st_mtime_ns == before:
+        print(f"this run wrote no checkpoint: the crash came before the end of its first epoch"
+              f"{f' ({path} is from an earlier run)' if before is not None else ''}", file=sys.stderr)
         return 1
-    info = read_checkpoint(path, args)  # read back, as a resume would, to show it is intact
+    try:
+        info = read_checkpoint(path, args)  # read back, as a resume would, to show it is intact
+    except CheckpointError as e:
+        print(f"the checkpoint cannot be resumed: {e}", file=sys.stderr)
+        return 1
     print(f"the last good checkpoint is intact: {path} (epoch {info['epoch']}, step {info['step']}); "
           f"continue with --resume {path}", file=sys.stderr)
     return 1

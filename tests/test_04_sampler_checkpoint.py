@@ -177,6 +177,8 @@ def bad_copy(kind, good, folder):
     path = folder / f"{kind}.pt"
     if kind == "missing":
         return path
+    if kind == "folder":
+        return folder
     data = good.read_bytes()
     if kind == "truncated":
         path.write_bytes(data[:len(data) // 2])
@@ -201,6 +203,7 @@ BAD_CHECKPOINTS = [
     ("weights_only", [], "is not a checkpoint of this lesson: it lacks ['config', 'epoch'"),
     ("good", ["--batch-size", "16"], "was trained with --batch-size 8, this run has 16"),
     ("good", ["--epochs", "2"], "already holds 2 epochs, nothing to resume with --epochs 2"),
+    ("folder", [], "is a folder; pass the checkpoint file in it, e.g. "),
 ]
 
 
@@ -213,7 +216,7 @@ def check_refusal(crashed, kind, extra, message, attempt):
     try:
         code, stderr = attempt(["--resume", str(path), *extra])
     finally:
-        if path != checkpoint and path.exists():
+        if path not in (checkpoint, checkpoint.parent) and path.exists():
             path.unlink()
     assert code == 2, stderr
     assert message in stderr
@@ -242,6 +245,16 @@ def test_more_bad_checkpoints_are_refused_before_any_rank_starts(crashed, capsys
     check_refusal(crashed, kind, extra, message, in_this_process)
 
 
+def test_a_crash_before_the_first_checkpoint_does_not_pass_off_an_old_one_as_its_own(crashed, lesson, tmp_path):
+    _, _, checkpoint, good = crashed
+    shutil.copy(checkpoint, tmp_path / "checkpoint.pt")  # left there by an earlier run
+    result = lesson.run(SCRIPT, "--crash-at-epoch", 0, "--ckpt-dir", tmp_path, "--timeout", 300)
+    assert result.returncode == 1
+    assert "this run wrote no checkpoint: the crash came before the end of its first epoch" in result.stderr
+    assert "is from an earlier run" in result.stderr and "intact" not in result.stderr
+    assert sha256(tmp_path / "checkpoint.pt") == good
+
+
 def test_an_impossible_choice_is_a_clear_error_on_the_command_line(lesson, tmp_path):
     result = lesson.run(SCRIPT, "--world-size", "0", timeout=60, cwd=tmp_path)
     assert result.returncode == 2
@@ -256,6 +269,7 @@ def test_an_impossible_choice_is_a_clear_error_on_the_command_line(lesson, tmp_p
     (["--val-samples", "1"], "--val-samples must be at least --world-size (2)"),
     (["--epochs", "1"], "the demonstration crashes in epoch --epochs // 2 and resumes, so it needs --epochs 2 or more"),
     (["--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
+    (["--crash-at-epoch", "1", "--ckpt-dir", __file__ + "/x"], "--ckpt-dir " + __file__ + "/x: Not a directory"),
     (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs --device cuda"),
 ])
 def test_impossible_choices_are_clear_errors(capsys, args, message, tmp_path, monkeypatch):
