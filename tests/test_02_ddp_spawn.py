@@ -51,7 +51,7 @@ def test_three_ranks_pass(lesson):
 
 
 def test_resnet18_with_groupnorm_passes_in_float64(lesson):
-    result = lesson.run(SCRIPT, "--model", "resnet18")
+    result = lesson.run(SCRIPT, "--model", "resnet18", "--samples", 32, "--batch-size", 8, "--epochs", 1)  # 2 steps: enough
     assert result.returncode == 0, result.stderr
     assert "model resnet18 in float64" in result.stdout
     _, between, _, vs_single = proof_numbers(result.stdout)
@@ -68,7 +68,7 @@ def test_breaking_gradient_sync_fails_the_proof(lesson):
 
 
 def test_two_concurrent_runs_do_not_collide(lesson):
-    runs = [lesson.start(SCRIPT) for _ in range(2)]
+    runs = [lesson.start(SCRIPT, "--samples", 64, "--epochs", 1) for _ in range(2)]
     outputs = [run.communicate(timeout=150) for run in runs]
     for run, (stdout, stderr) in zip(runs, outputs):
         assert run.returncode == 0, stderr
