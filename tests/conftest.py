@@ -83,3 +83,16 @@ def number_after(label, line):
     m = re.search(re.escape(label) + r"\s*:?\s*([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)", line)
     assert m, f"no number after {label!r} in: {line}"
     return float(m.group(1))
+
+
+def assert_clear_usage_error(result, message):
+    """A refused choice: exit code 2 (argparse), the message on stderr, and no traceback."""
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def assert_help_lists(result, flags):
+    assert result.returncode == 0, result.stderr
+    missing = [flag for flag in flags if flag not in result.stdout]
+    assert not missing, f"--help does not list {missing}"
