@@ -1,8 +1,8 @@
 """Repeat lesson 05's crash-and-restart run many times and count how often the restart ends in PROOF PASSED.
 
     python 05_torchrun_elastic/elastic_reliability.py                  # 20 trials of the script as it is (one node)
-    python 05_torchrun_elastic/elastic_reliability.py --variants all --lock /tmp/cpu.lock \\
-        --out 05_torchrun_elastic/reliability.json                     # every variant below, as committed
+    python 05_torchrun_elastic/elastic_reliability.py --lock /tmp/cpu.lock --out 05_torchrun_elastic/reliability.json \\
+        --variants prefix plain+env static2:10 c10d2+env:10 plain:10 c10d2:10   # as committed (NAME:N = N trials)
 
 Each trial: torchrun --max-restarts=1 ... torchrun_elastic.py --crash-at-step 6; rank 1 dies (SIGKILL) at step 6, torchrun
 restarts the group, the script resumes from its checkpoint. A trial passes when every torchrun exits 0 and the
@@ -45,7 +45,8 @@ FAILURE_KINDS = [  # (pattern in stderr, what it means), first match wins
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=20, help="crash-and-restart runs per variant (default 20)")
-    p.add_argument("--variants", nargs="+", default=["prefix"], help=f"some of {', '.join(VARIANTS)}, or all (default: prefix)")
+    p.add_argument("--variants", nargs="+", default=["prefix"], help=f"some of {', '.join(VARIANTS)}, or all (default: prefix); "
+                   "NAME:N runs N trials of that variant instead of --trials")
     p.add_argument("--crash-at-step", type=int, default=6, help="the step at which rank 1 dies (default 6)")
     p.add_argument("--timeout", type=float, default=20, help="the script's --timeout, so a hang fails within seconds (default 20)")
     p.add_argument("--trial-timeout", type=float, default=150, help="kill a trial that runs longer than this (default 150 s)")
@@ -54,10 +55,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.variants == ["all"]:
         args.variants = list(VARIANTS)
+    try:
+        args.variants = {v.partition(":")[0]: int(v.partition(":")[2] or args.trials) for v in args.variants}
+    except ValueError:
+        p.error("--variants takes NAME or NAME:N with N a number of trials")
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)} or all")
-    if args.trials < 1 or args.timeout <= 0 or args.trial_timeout <= 0:
+    if min(args.trials, *args.variants.values()) < 1 or args.timeout <= 0 or args.trial_timeout <= 0:
         p.error("--trials, --timeout and --trial-timeout must be positive")
     return args
 
@@ -122,11 +127,11 @@ def hardware():
 def main(argv=None):
     args = parse_args(argv)
     lock = open(args.lock, "a") if args.lock else None
-    print(f"{args.trials} crash-and-restart trials per variant on {hardware()}", flush=True)
+    print(f"crash-and-restart trials ({', '.join(f'{v} x{n}' for v, n in args.variants.items())}) on {hardware()}", flush=True)
     results = {}
-    for variant in args.variants:
+    for variant, trials in args.variants.items():
         outcomes = []
-        for trial in range(1, args.trials + 1):
+        for trial in range(1, trials + 1):
             if lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
             try:
@@ -135,12 +140,12 @@ def main(argv=None):
                 if lock:
                     fcntl.flock(lock, fcntl.LOCK_UN)
             outcomes.append((passed, kind, seconds))
-            print(f"{variant:10s} trial {trial:2d}/{args.trials}: {'passed' if passed else 'FAILED: ' + kind} ({seconds:.1f} s)", flush=True)
+            print(f"{variant:10s} trial {trial:2d}/{trials}: {'passed' if passed else 'FAILED: ' + kind} ({seconds:.1f} s)", flush=True)
         failures = {}
         for _, kind, _ in outcomes:
             if kind:
                 failures[kind] = failures.get(kind, 0) + 1
-        results[variant] = {"what": VARIANTS[variant][0], "recommended": VARIANTS[variant][5], "trials": args.trials,
+        results[variant] = {"what": VARIANTS[variant][0], "recommended": VARIANTS[variant][5], "trials": trials,
                             "passed": sum(p for p, _, _ in outcomes), "failures": failures,
                             "median_seconds_passed": statistics.median([s for p, _, s in outcomes if p] or [0.0]),
                             "seconds": [round(s, 1) for _, _, s in outcomes]}

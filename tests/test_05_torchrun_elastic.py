@@ -3,6 +3,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import REPO, lesson_env
+from conftest import REPO, assert_clear_usage_error, assert_help_lists, lesson_env
 
 SCRIPT = "05_torchrun_elastic/torchrun_elastic.py"
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")  # the same program as the `torchrun` console script
@@ -68,7 +69,6 @@ def finish_nodes(procs, timeout):
 
 
 def free_port():
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -142,18 +142,13 @@ def test_impossible_choices_are_clear_errors(lesson, args, message):
         pytest.skip("this machine has the GPUs, so the choice is possible here")
     result = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, env={**lesson_env(lesson.tag), **TORCHRUN_LIKE_ENV},
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+    assert_clear_usage_error(result, message)
 
 
 def test_help_lists_every_flag(lesson):
-    result = lesson.run(SCRIPT, "--help", timeout=60)
-    assert result.returncode == 0
-    for flag in ["--backend", "--device", "--samples", "--batch-size", "--epochs", "--lr", "--timeout", "--checkpoint-dir",
+    assert_help_lists(lesson.run(SCRIPT, "--help", timeout=60), ["--backend", "--device", "--samples", "--batch-size", "--epochs", "--lr", "--timeout", "--checkpoint-dir",
                  "--checkpoint-every", "--crash-at-step", "--crash-rank", "--crash-every-attempt", "--skip-rng-restore",
-                 "--plain-init"]:
-        assert flag in result.stdout
+                 "--plain-init"])
 
 
 # ---------------------------------------------------------------------------------------------- two nodes, one machine
@@ -172,17 +167,6 @@ def test_two_nodes_static_rendezvous_survive_a_crash(lesson, tmp_path):
     assert "world size 2 = 2 node(s) x 1 process(es)" in out0
     assert "dying on purpose at step 3" in err1, "rank 1 lives on node 1"
     assert proof(out0) == ("PASSED", 2, 4, "resumed from the checkpoint at step 2", 0.0)
-
-
-def test_two_nodes_c10d_rendezvous(lesson, tmp_path):
-    port = free_port()
-    node = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=lesson05", str(REPO / SCRIPT), *SMALL, "--checkpoint-dir", str(tmp_path)]
-    results = finish_nodes(start_nodes(lesson, [node, node], [{}, {}]), timeout=150)
-    assert all(rc == 0 for rc, _, _ in results), "".join(err[-3000:] for _, _, err in results)
-    out = "".join(out for _, out, _ in results)  # c10d decides which node hosts rank 0
-    assert "world size 2 = 2 node(s) x 1 process(es)" in out
-    assert proof(out)[0] == "PASSED"
 
 
 # ---------------------------------------------------------------------------------------------- two hosts
@@ -233,23 +217,18 @@ def two_hosts():
         assert not left, f"network namespaces left behind: {left}"
 
 
-@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
-def test_two_real_hosts_in_network_namespaces(lesson, two_hosts, tmp_path, rendezvous):
+def test_two_real_hosts_in_network_namespaces_c10d_rendezvous(lesson, two_hosts, tmp_path):
+    """Two hosts with their own addresses, c10d rendezvous: what a real cluster needs, measured (README: "Two real hosts")."""
     host0 = two_hosts[0]["addr"]
-    port = 29411  # any port: it lives in the namespaces only
     nodes = []
-    for n, h in enumerate(two_hosts):
-        if rendezvous == "static":
-            launch = ["--nnodes=2", f"--node-rank={n}", f"--master-addr={host0}", f"--master-port={port}"]
-        else:  # the host is not the machine's own hostname, so say who hosts the store, and which address is ours
-            launch = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={host0}:{port}", "--rdzv-id=lesson05",
-                      f"--rdzv-conf=is_host={int(n == 0)}", f"--local-addr={h['addr']}"]
-        nodes.append(["ip", "netns", "exec", h["ns"], *TORCHRUN, *launch, "--nproc-per-node=1", str(REPO / SCRIPT),
-                      *SMALL, "--checkpoint-dir", str(tmp_path)])
+    for n, h in enumerate(two_hosts):  # not the machine's hostname: say who hosts the store, and which address is ours
+        nodes.append(["ip", "netns", "exec", h["ns"], *TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint={host0}:29411", "--rdzv-id=lesson05", f"--rdzv-conf=is_host={int(n == 0)}",
+                      f"--local-addr={h['addr']}", str(REPO / SCRIPT), *SMALL, "--checkpoint-dir", str(tmp_path)])
     envs = [{"GLOO_SOCKET_IFNAME": h["ifname"]} for h in two_hosts]  # else gloo binds the hostname's address: loopback
     results = finish_nodes(start_nodes(lesson, nodes, envs), timeout=150)
     assert all(rc == 0 for rc, _, _ in results), "".join(err[-3000:] for _, _, err in results)
-    out = "".join(out for _, out, _ in results)
+    out = "".join(out for _, out, _ in results)  # c10d decides which node holds rank 0
     assert "world size 2 = 2 node(s) x 1 process(es)" in out
     assert proof(out) == ("PASSED", 2, 4, "never interrupted (try --crash-at-step 6 with torchrun --max-restarts=1)", 0.0)
     gradients = 2 * 4 * 1604 * 4  # 2 trainings (resumable + reference) x 4 steps x 1604 float32 parameters
@@ -262,16 +241,21 @@ def test_two_real_hosts_in_network_namespaces(lesson, two_hosts, tmp_path, rende
 # ---------------------------------------------------------------------------------------------- reliability
 
 
-def test_reliability_script_runs_a_trial(lesson):
-    result = lesson.run("05_torchrun_elastic/elastic_reliability.py", "--trials", 1, "--variants", "prefix", timeout=200)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"^prefix\s+trial  1/1: passed", result.stdout, re.M)
-    assert re.search(r"^prefix\s+1/1 ", result.stdout, re.M)
+def test_reliability_script_refuses_an_unknown_variant(lesson):
+    assert_clear_usage_error(lesson.run("05_torchrun_elastic/elastic_reliability.py", "--variants", "nope", timeout=60),
+                             "unknown variant(s) nope")
 
 
 def test_committed_reliability_results_meet_the_target():
-    results = json.loads((REPO / "05_torchrun_elastic" / "reliability.json").read_text())["results"]
-    assert results["prefix"]["trials"] == 20 and results["prefix"]["passed"] == 20
+    """The 20-trial measurement is a benchmark, not a test: this checks the committed result of
+    `elastic_reliability.py` (its command is in its docstring and in README.md)."""
+    data = json.loads((REPO / "05_torchrun_elastic" / "reliability.json").read_text())
+    assert "cores" in data["hardware"] and "torch" in data["hardware"]
+    results = data["results"]
+    assert {"prefix", "plain+env", "plain"} <= results.keys()
+    for name in ("prefix", "plain+env"):  # the two fixes the README recommends on one node: 20 of 20 each
+        assert results[name]["trials"] == 20 and results[name]["passed"] == 20, results[name]
     for name, r in results.items():
+        assert len(r["seconds"]) == r["trials"] and sum(r["failures"].values()) == r["trials"] - r["passed"], name
         if r["recommended"]:
             assert r["passed"] == r["trials"], f"{name}: {r['passed']}/{r['trials']}"
