@@ -1,8 +1,9 @@
 """Repeat lesson 05's crash-and-restart run many times and count how often the restart ends in PROOF PASSED.
 
     python 05_torchrun_elastic/elastic_reliability.py                  # 20 trials of the script as it is (one node)
-    python 05_torchrun_elastic/elastic_reliability.py --lock /tmp/cpu.lock --out 05_torchrun_elastic/reliability.json \\
-        --variants prefix plain+env static2:10 c10d2+env:10 plain:10 c10d2:10   # as committed (NAME:N = N trials)
+    python 05_torchrun_elastic/elastic_reliability.py --lock /tmp/cpu.lock --trial-timeout 90 \\
+        --out 05_torchrun_elastic/reliability.json \\
+        --variants plain:10 prefix plain+env c10d2+env:10 static2:10 c10d2:10   # as committed (NAME:N = N trials)
 
 Each trial: torchrun --max-restarts=1 ... torchrun_elastic.py --crash-at-step 6; rank 1 dies (SIGKILL) at step 6, torchrun
 restarts the group, the script resumes from its checkpoint. A trial passes when every torchrun exits 0 and the
@@ -149,14 +150,15 @@ def main(argv=None):
                             "passed": sum(p for p, _, _ in outcomes), "failures": failures,
                             "median_seconds_passed": statistics.median([s for p, _, s in outcomes if p] or [0.0]),
                             "seconds": [round(s, 1) for _, _, s in outcomes]}
+        if args.out:  # after each variant, so that a long measurement keeps what it has
+            with open(args.out, "w") as f:
+                json.dump({"hardware": hardware(), "date": time.strftime("%Y-%m-%d"), "crash_at_step": args.crash_at_step,
+                           "script_timeout_s": args.timeout, "trial_timeout_s": args.trial_timeout, "results": results}, f, indent=1)
     print("\nvariant     passed   what")
     for variant, r in results.items():
         print(f"{variant:10s} {r['passed']:3d}/{r['trials']:<3d}  {r['what']}" +
               "".join(f"\n{'':20s}{n} x {kind}" for kind, n in r["failures"].items()))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"hardware": hardware(), "date": time.strftime("%Y-%m-%d"), "crash_at_step": args.crash_at_step,
-                       "script_timeout_s": args.timeout, "results": results}, f, indent=1)
         print(f"results written to {args.out}")
     broken = [v for v, r in results.items() if r["recommended"] and r["passed"] < r["trials"]]
     if broken:
