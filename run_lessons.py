@@ -43,6 +43,8 @@ def main():
         argv = shlex.split(command)
         if argv[0] in ("python", "python3"):
             argv[0] = sys.executable  # the interpreter running this file, with its installed packages
+        elif argv[0] == "torchrun":  # the same program, from this interpreter's torch, even if its bin/ is not on PATH
+            argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
         start = time.perf_counter()
         code = subprocess.run(argv, cwd=REPO).returncode
         summary.append((name, code, time.perf_counter() - start))

@@ -79,6 +79,8 @@ def test_expected_output_is_what_the_command_prints(mark, lang, expected, lesson
     command = shlex.split(mark.split(":", 1)[1])
     if command[0] in ("python", "python3"):
         command[0] = sys.executable
+    elif command[0] == "torchrun":  # as run_lessons.py does: this interpreter's torch
+        command[:1] = [sys.executable, "-m", "torch.distributed.run"]
     result = subprocess.run(command, cwd=REPO, env=lesson_env(lesson.tag), capture_output=True,
                             text=True, timeout=280)
     assert output_pattern(expected).fullmatch(result.stdout), (
