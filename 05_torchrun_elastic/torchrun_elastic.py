@@ -11,6 +11,7 @@ same processes train afterwards from scratch. Two nodes, SLURM and the store fix
 """
 import argparse
 import datetime
+import gc
 import itertools
 import os
 import shutil
@@ -21,7 +22,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported BEFORE init_process_group: see "A clean exit" in README.md
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -69,7 +69,44 @@ def parse_args(argv=None):
     if args.crash_at_step is not None and args.crash_at_step > steps:
         p.error(f"--crash-at-step {args.crash_at_step} is never reached: this run has {steps} steps")
     args.backend, args.device, args.reason = choose_backend(args.backend, args.device, args.local_world_size, p.error)
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if args.world_size != args.local_world_size and restarts and not args.checkpoint_dir:
+        p.error("several nodes with restarts need --checkpoint-dir on a file system every node shares: the default "
+                "is a folder in each node's own temp dir, so the nodes would resume from different checkpoints")
+    args.own_checkpoint_dir = not args.checkpoint_dir  # ours to remove at the end
+    args.checkpoint_dir = args.checkpoint_dir or os.path.join(
+        tempfile.gettempdir(), f"torchrun_elastic_{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}")
+    try:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+    except OSError as e:
+        p.error(f"--checkpoint-dir {args.checkpoint_dir}: {e.strerror}")
+    if os.path.exists(os.path.join(args.checkpoint_dir, "final.pt")):
+        p.error(f"{args.checkpoint_dir} holds a finished run (final.pt): resuming it would train nothing. "
+                "Use an empty --checkpoint-dir, or delete that one")
+    try:
+        check_checkpoint(os.path.join(args.checkpoint_dir, "checkpoint.pt"), args)
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def config(args):
+    """What must match for a checkpoint to continue the same run."""
+    return {k: getattr(args, k) for k in ("world_size", "samples", "batch_size", "epochs", "lr", "checkpoint_every")}
+
+
+def check_checkpoint(path, args):
+    """Before any collective: a checkpoint this run cannot continue is one clear line, not a traceback on every rank."""
+    if not os.path.exists(path):
+        return
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)["config"]
+    except Exception as e:  # truncated, garbage, not ours: never "retry with weights_only=False"
+        raise ValueError(f"cannot read {path} ({type(e).__name__}): it is truncated or not this lesson's checkpoint. "
+                         "Delete it, or use another --checkpoint-dir") from None
+    if saved != config(args):
+        changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in config(args).items() if saved.get(k) != v)
+        raise ValueError(f"{path} belongs to another run ({changed}): use another --checkpoint-dir, or the same flags")
 
 
 def choose_backend(backend, device, local_world_size, error):
@@ -123,9 +160,12 @@ def save_checkpoint(path, model, optimizer, step, losses, args):
     mine = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if args.device == "cuda" else None}
     dist.all_gather_object(rng, mine)  # each rank draws its own dropout masks, so rank 0 saves every rank's RNG
     if args.rank == 0:
-        state = {"step": step, "world_size": args.world_size, "model": model.module.state_dict(),
+        state = {"step": step, "config": config(args), "model": model.module.state_dict(),
                  "optimizer": optimizer.state_dict(), "rng": rng, "losses": losses}
-        torch.save(state, path + ".tmp")
+        with open(path + ".tmp", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
         os.replace(path + ".tmp", path)  # atomic: a crash during the save leaves the previous checkpoint whole
     dist.barrier()  # on EVERY rank, never inside `if rank == 0`
 
@@ -139,10 +179,12 @@ def load_checkpoint(path, model, optimizer, device, args):
     if not os.path.exists(path):
         raise FileNotFoundError(f"rank {args.rank} cannot see {path}: --checkpoint-dir must be on a file system all nodes share")
     ckpt = torch.load(path, map_location=device, weights_only=True)  # map_location: onto THIS rank's device
-    if ckpt["world_size"] != args.world_size:
-        raise RuntimeError(f"{path} was written by {ckpt['world_size']} ranks, this run has {args.world_size}: "
-                           "the data order would change; use another --checkpoint-dir")
     model.module.load_state_dict(ckpt["model"])
+    loaded = [None] * args.world_size  # did every rank load the same file? (a node-local folder would differ)
+    dist.all_gather_object(loaded, (ckpt["step"], sum(v.double().sum().item() for v in ckpt["model"].values())))
+    if any(other != loaded[0] for other in loaded):
+        raise RuntimeError(f"the ranks loaded different checkpoints (step, weight sum per rank: {loaded}): "
+                           "--checkpoint-dir must be one folder on a file system every node shares")
     optimizer.load_state_dict(ckpt["optimizer"])
     if not args.skip_rng_restore:
         torch.set_rng_state(ckpt["rng"][args.rank]["cpu"].cpu())
@@ -223,9 +265,10 @@ def main(argv=None):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.local_world_size))  # ranks on a node share its cores
-    checkpoint_dir = args.checkpoint_dir or os.path.join(tempfile.gettempdir(), f"torchrun_elastic_{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}")
-    os.makedirs(checkpoint_dir, exist_ok=True)
+        if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1, SLURM scripts to their share: respect it
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // args.local_world_size))  # the cores this process may use, shared
+    checkpoint_dir = args.checkpoint_dir
     if args.rank == 0:
         print(f"backend: {args.backend} on {args.device} ({args.reason}); world size {args.world_size} = "
               f"{args.world_size // args.local_world_size} node(s) x {args.local_world_size} process(es); attempt {args.attempt} "
@@ -241,10 +284,11 @@ def main(argv=None):
             torch.save({"state": state, "reference": reference, "losses": losses}, os.path.join(checkpoint_dir, "final.pt"))
             passed[0] = report_proof(args, state, reference, losses, resumed_at, seconds)
         dist.broadcast(passed, src=0)  # every rank exits with the verdict
-        if not args.checkpoint_dir and args.local_rank == 0:
+        if args.own_checkpoint_dir and args.local_rank == 0:
             shutil.rmtree(checkpoint_dir, ignore_errors=True)  # our own temporary directory, one per node
         return 0 if passed.item() else 1
     finally:
+        gc.collect()  # free the DDP models now: left to interpreter exit, gloo aborts there in some runs (torch 2.15)
         dist.destroy_process_group()
 
 

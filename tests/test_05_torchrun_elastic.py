@@ -145,6 +145,42 @@ def test_impossible_choices_are_clear_errors(lesson, args, message):
     assert_clear_usage_error(result, message)
 
 
+def bad_checkpoint_dir(kind, folder):
+    """A --checkpoint-dir this run must refuse before any collective; returns its path."""
+    if kind == "a file":
+        (folder / "afile").write_text("")
+        return folder / "afile" / "sub"
+    if kind == "corrupt":
+        (folder / "checkpoint.pt").write_bytes(b"not a checkpoint\n" * 8)
+    elif kind == "finished":
+        torch.save({"state": {}}, folder / "final.pt")
+    elif kind == "another run":
+        config = {"world_size": 2, "samples": 256, "batch_size": 16, "epochs": 2, "lr": 0.1, "checkpoint_every": 4}
+        torch.save({"step": 4, "config": config}, folder / "checkpoint.pt")
+    return folder
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("a file", "/afile/sub: Not a directory"),
+    ("corrupt", "checkpoint.pt (UnpicklingError): it is truncated or not this lesson's checkpoint. Delete it"),
+    ("finished", "holds a finished run (final.pt): resuming it would train nothing"),
+    ("another run", "checkpoint.pt belongs to another run (lr 0.1 -> 0.05): use another --checkpoint-dir"),
+])
+def test_a_checkpoint_dir_the_run_cannot_continue_is_a_clear_error(lesson, tmp_path, kind, message):
+    folder = bad_checkpoint_dir(kind, tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    result = subprocess.run([sys.executable, SCRIPT, "--checkpoint-dir", folder], cwd=REPO, capture_output=True, text=True,
+                            env={**lesson_env(lesson.tag), **TORCHRUN_LIKE_ENV}, timeout=60)
+    assert_clear_usage_error(result, message)
+    assert sorted(os.listdir(tmp_path)) == before, "a refused run must not touch the folder"
+
+
+def test_several_nodes_with_restarts_need_a_shared_checkpoint_dir(lesson):
+    env = {**lesson_env(lesson.tag), **TORCHRUN_LIKE_ENV, "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_MAX_RESTARTS": "1"}
+    result = subprocess.run([sys.executable, SCRIPT], cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    assert_clear_usage_error(result, "several nodes with restarts need --checkpoint-dir on a file system every node shares")
+
+
 def test_help_lists_every_flag(lesson):
     assert_help_lists(lesson.run(SCRIPT, "--help", timeout=60), ["--backend", "--device", "--samples", "--batch-size", "--epochs", "--lr", "--timeout", "--checkpoint-dir",
                  "--checkpoint-every", "--crash-at-step", "--crash-rank", "--crash-every-attempt", "--skip-rng-restore",
