@@ -47,10 +47,15 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error(f"--world-size must be at least 1, got {args.world_size}")
-    if min(args.samples, args.batch_size, args.epochs) < 1 or args.timeout <= 0:
-        p.error("--samples, --batch-size, --epochs and --timeout must be positive")
+    if min(args.samples, args.batch_size, args.epochs) < 1 or args.timeout <= 0 or args.lr <= 0:
+        p.error("--samples, --batch-size, --epochs, --lr and --timeout must be positive")
     if args.crash_rank is not None and not 0 <= args.crash_rank < args.world_size:
         p.error(f"--crash-rank must be a rank between 0 and {args.world_size - 1}")
+    steps = args.epochs * -(-args.samples // (args.world_size * args.batch_size))  # DistributedSampler pads: ceil
+    if args.crash_rank is not None and steps < 2:
+        p.error(f"--crash-rank crashes at step 2, but this run has {steps} step(s): use more --samples or --epochs")
+    if args.no_sync_demo and args.world_size < 2:
+        p.error("--no-sync-demo needs --world-size 2 or more: one rank has nothing to synchronise, so nothing can fail")
     args.backend, args.device, args.reason = choose_backend(args.backend, args.device, args.world_size, p.error)
     if args.dtype == "auto":
         args.dtype = "float64" if args.model == "resnet18" else "float32"

@@ -87,6 +87,9 @@ def test_a_crashed_rank_stops_the_whole_run_quickly_with_the_real_error(lesson):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--lr", "-1"], "--samples, --batch-size, --epochs, --lr and --timeout must be positive"),
+    (["--crash-rank", "0", "--samples", "16", "--epochs", "1"], "--crash-rank crashes at step 2, but this run has 1 step(s)"),
+    (["--no-sync-demo", "--world-size", "1"], "--no-sync-demo needs --world-size 2 or more"),
     (["--world-size", "0"], "--world-size must be at least 1, got 0"),
     (["--backend", "nccl"], "--backend nccl needs --device cuda and one GPU per rank"),
     (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs --device cuda"),
