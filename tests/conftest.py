@@ -92,6 +92,20 @@ def assert_clear_usage_error(result, message):
     assert "Traceback" not in result.stderr
 
 
+def assert_crashed_rank_stops_the_run(lesson, script, *args, rank=1, within=30):
+    """`--crash-rank RANK --timeout 300`: the run must stop within seconds (spawn stops the waiting ranks, not the
+    timeout), exit 1, say RUN FAILED, show that rank's own error and print no proof. Returns the result."""
+    start = time.monotonic()
+    result = lesson.run(script, *args, "--crash-rank", rank, "--timeout", 300)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "RUN FAILED" in result.stderr
+    assert f"RuntimeError: rank {rank} crashed on purpose (--crash-rank)" in result.stderr, result.stderr[-2000:]
+    assert "PROOF" not in result.stdout
+    assert elapsed < within, f"took {elapsed:.0f} s: the surviving ranks waited instead of being stopped"
+    return result
+
+
 def assert_help_lists(result, flags):
     assert result.returncode == 0, result.stderr
     missing = [flag for flag in flags if flag not in result.stdout]

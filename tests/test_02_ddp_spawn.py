@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from conftest import assert_clear_usage_error, assert_help_lists
+from conftest import assert_clear_usage_error, assert_crashed_rank_stops_the_run, assert_help_lists
 
 
 SCRIPT = "02_ddp_spawn/ddp_spawn.py"
@@ -76,14 +76,7 @@ def test_two_concurrent_runs_do_not_collide(lesson):
 
 
 def test_a_crashed_rank_stops_the_whole_run_quickly_with_the_real_error(lesson):
-    start = time.monotonic()
-    result = lesson.run(SCRIPT, "--crash-rank", 1, "--timeout", 300)
-    elapsed = time.monotonic() - start
-    assert result.returncode == 1
-    assert "RUN FAILED" in result.stderr
-    assert "RuntimeError: rank 1 crashed on purpose (--crash-rank)" in result.stderr
-    assert "PROOF" not in result.stdout
-    assert elapsed < 30, f"took {elapsed:.0f} s: the surviving rank waited instead of being stopped"
+    assert_crashed_rank_stops_the_run(lesson, SCRIPT)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, assert_clear_usage_error, assert_help_lists
+from conftest import REPO, assert_clear_usage_error, assert_crashed_rank_stops_the_run, assert_help_lists
 
 SCRIPT = "03_model_parallel/model_parallel.py"
 BENCH = "03_model_parallel/bench_pipeline.py"
@@ -105,14 +105,7 @@ def test_no_grad_scale_demo_fails_the_pipeline_proof(lesson):
 
 
 def test_a_crashed_rank_stops_the_run_quickly_with_the_real_error(lesson):
-    start = time.monotonic()
-    result = lesson.run(SCRIPT, "--part", "pipeline", "--crash-rank", 1, "--timeout", 300)
-    elapsed = time.monotonic() - start
-    assert result.returncode == 1
-    assert "RUN FAILED" in result.stderr
-    assert "RuntimeError: rank 1 crashed on purpose (--crash-rank)" in result.stderr
-    assert "PROOF" not in result.stdout
-    assert elapsed < 30, f"took {elapsed:.0f} s: the surviving rank waited instead of being stopped"
+    assert_crashed_rank_stops_the_run(lesson, SCRIPT, "--part", "pipeline")
 
 
 BAD_INPUT = [
