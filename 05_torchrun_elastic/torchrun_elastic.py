@@ -273,6 +273,12 @@ def main(argv=None):
         print(f"backend: {args.backend} on {args.device} ({args.reason}); world size {args.world_size} = "
               f"{args.world_size // args.local_world_size} node(s) x {args.local_world_size} process(es); attempt {args.attempt} "
               f"(restarts allowed: {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})", flush=True)
+    several_nodes = args.world_size != args.local_world_size
+    if args.rank == 0 and several_nodes and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and not args.plain_init:
+        print("warning: several nodes, restarts and torchrun's shared store: with c10d rendezvous the nodes can disagree "
+              "on the attempt number, so restarts can hang (measured: 4 of 10 passed). Start every torchrun with "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (10 of 10). Static rendezvous is fine (10 of 10).", file=sys.stderr, flush=True)
     init_distributed(args, device)
     try:
         start = time.perf_counter()
