@@ -18,6 +18,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent
 
 
+def command_argv(command):
+    """A README command line as this interpreter runs it: `python` is sys.executable, and `torchrun` is the same
+    program from this interpreter's torch (python -m torch.distributed.run), even if its bin/ is not on PATH."""
+    argv = shlex.split(command)
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    elif argv[0] == "torchrun":
+        argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
+    return argv
+
+
 def lesson_commands():
     for folder in sorted(REPO.glob("[0-9][0-9]_*/")):
         readme = folder / "README.md"
@@ -40,13 +51,8 @@ def main():
             print(f"{name}: {command}")
             continue
         print(f"\n{'=' * 100}\n{name}: {command}\n{'=' * 100}", flush=True)
-        argv = shlex.split(command)
-        if argv[0] in ("python", "python3"):
-            argv[0] = sys.executable  # the interpreter running this file, with its installed packages
-        elif argv[0] == "torchrun":  # the same program, from this interpreter's torch, even if its bin/ is not on PATH
-            argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
         start = time.perf_counter()
-        code = subprocess.run(argv, cwd=REPO).returncode
+        code = subprocess.run(command_argv(command), cwd=REPO).returncode
         summary.append((name, code, time.perf_counter() - start))
     if args.list:
         return 0

@@ -69,8 +69,9 @@ def parse_args(argv=None):
     if args.crash_at_step is not None and args.crash_at_step > steps:
         p.error(f"--crash-at-step {args.crash_at_step} is never reached: this run has {steps} steps")
     args.backend, args.device, args.reason = choose_backend(args.backend, args.device, args.local_world_size, p.error)
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if args.world_size != args.local_world_size and restarts and not args.checkpoint_dir:
+    args.restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    args.several_nodes = args.world_size != args.local_world_size
+    if args.several_nodes and args.restarts and not args.checkpoint_dir:
         p.error("several nodes with restarts need --checkpoint-dir on a file system every node shares: the default "
                 "is a folder in each node's own temp dir, so the nodes would resume from different checkpoints")
     args.own_checkpoint_dir = not args.checkpoint_dir  # ours to remove at the end
@@ -272,10 +273,9 @@ def main(argv=None):
     if args.rank == 0:
         print(f"backend: {args.backend} on {args.device} ({args.reason}); world size {args.world_size} = "
               f"{args.world_size // args.local_world_size} node(s) x {args.local_world_size} process(es); attempt {args.attempt} "
-              f"(restarts allowed: {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})", flush=True)
-    several_nodes = args.world_size != args.local_world_size
-    if args.rank == 0 and several_nodes and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
-            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and not args.plain_init:
+              f"(restarts allowed: {args.restarts})", flush=True)
+    if args.rank == 0 and args.several_nodes and args.restarts and not args.plain_init \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         print("warning: several nodes, restarts and torchrun's shared store: with c10d rendezvous the nodes can disagree "
               "on the attempt number, so restarts can hang (measured: 4 of 10 passed). Start every torchrun with "
               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (10 of 10). Static rendezvous is fine (10 of 10).", file=sys.stderr, flush=True)

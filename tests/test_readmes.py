@@ -8,13 +8,15 @@ Markers, written as an HTML comment on the line just before a fenced block:
                                     a line holding only '...' stands for any number of lines
 """
 import re
-import shlex
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO, lesson_env
+
+sys.path.insert(0, str(REPO))
+from run_lessons import command_argv  # noqa: E402
 
 READMES = [REPO / "README.md", *sorted(REPO.glob("[0-9][0-9]_*/README.md"))]
 BLOCK = re.compile(r"(?:<!--\s*(?P<mark>[^\n]*?)\s*-->[ \t]*\n)?^```(?P<lang>[\w+-]*)[ \t]*\n(?P<body>.*?)^```", re.S | re.M)
@@ -76,11 +78,7 @@ def test_output_pattern_can_fail():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mark, lang, expected", OUTPUTS)
 def test_expected_output_is_what_the_command_prints(mark, lang, expected, lesson):
-    command = shlex.split(mark.split(":", 1)[1])
-    if command[0] in ("python", "python3"):
-        command[0] = sys.executable
-    elif command[0] == "torchrun":  # as run_lessons.py does: this interpreter's torch
-        command[:1] = [sys.executable, "-m", "torch.distributed.run"]
+    command = command_argv(mark.split(":", 1)[1])  # exactly as run_lessons.py runs it
     result = subprocess.run(command, cwd=REPO, env=lesson_env(lesson.tag), capture_output=True,
                             text=True, timeout=280)
     assert output_pattern(expected).fullmatch(result.stdout), (
