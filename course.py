@@ -1,0 +1,74 @@
+"""The harness every lab (NN_name/prove.py) shares. Lessons never import this file: each lesson
+script stays self-contained, so a reader can copy it alone.
+
+    backend_for(world_size, device)   NCCL with one GPU per rank, else gloo on CPU, and why
+    find_free_port()                  a port nobody uses now (never a fixed 12355/29500)
+    spawn_or_fail(fn, args, nprocs)   mp.spawn; a failed rank prints RUN FAILED and exits 1
+    report_proof(...)                 the PROOF PASSED/FAILED line; returns the exit code
+    refuse(message)                   one line on stderr, exit 2: a guard rail, no traceback
+    hardware()                        the CPU/GPU, cores and torch version that timings ran on
+"""
+import os
+import platform
+import socket
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+
+def refuse(message):
+    """A guard rail: bad input ends the run with one clear line and exit code 2, before any rank starts."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def backend_for(world_size, device="auto"):
+    """(backend, device type, reason): NCCL with one process per GPU when there are enough GPUs, else gloo."""
+    gpus = torch.cuda.device_count()
+    if device == "cuda" and gpus < world_size:
+        refuse(f"--device cuda needs one GPU per rank: world size {world_size}, {gpus} GPU(s) visible")
+    if device == "cuda" or (device == "auto" and gpus >= world_size):
+        return "nccl", "cuda", f"{gpus} GPU(s) visible, one per rank"
+    if device == "cpu":
+        return "gloo", "cpu", "CPU requested"
+    return "gloo", "cpu", "no GPU visible" if gpus == 0 else f"{gpus} GPU(s) for {world_size} ranks"
+
+
+def find_free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_or_fail(fn, args, nprocs):
+    """mp.spawn that turns a failed rank into RUN FAILED (stderr) and exit 1; spawn has stopped the others."""
+    try:
+        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(f"\nRUN FAILED: a rank stopped with an error, so every rank was stopped.\n{e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def max_abs_diff(state_a, state_b):
+    """Largest element-wise difference between two state dicts (0.0: bit-identical)."""
+    return max((state_a[k].double() - state_b[k].double()).abs().max().item() for k in state_a)
+
+
+def report_proof(passed, claim, measured, tolerance):
+    """Prints `PROOF PASSED: claim (measured, tolerance T)` and returns the exit code: 0, or 1 on failure."""
+    print(f"PROOF {'PASSED' if passed else 'FAILED'}: {claim} ({measured}, tolerance {tolerance})", flush=True)
+    return 0 if passed else 1
+
+
+def hardware():
+    """What a timing was measured on; CPU timings say nothing about GPU interconnects."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu}, {cores} cores{', ' + ', '.join(gpus) if gpus else ', no GPU'}, torch {torch.__version__}"
