@@ -89,7 +89,7 @@ def worker(rank, world_size, port, backend, epochs, batch_size, lr, timeout=60):
         # global RNG (lesson 04 saves and restores that one in its checkpoints).
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                             generator=torch.Generator().manual_seed(0))
-        model = DDP(make_model().to(device), device_ids=[rank] if device.type == "cuda" else None)
+        model = DDP(make_model().to(device), device_ids=[device] if device.type == "cuda" else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         start = time.perf_counter()
         losses = train(model, loader, optimizer, epochs, device)

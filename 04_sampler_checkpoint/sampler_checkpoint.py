@@ -39,8 +39,7 @@ def make_model(seed=0):
 
 @torch.no_grad()
 def evaluate(model, dataset, device):
-    """(correct, total), each sample counted once: unpadded shards (DistributedSampler pads with
-    duplicates), COUNTS summed. The plain module: DDP's forward may run collectives."""
+    """(correct, total), each sample once: unpadded shards, COUNTS summed; a plain module."""
     model.eval()
     shard = Subset(dataset, range(dist.get_rank(), len(dataset), dist.get_world_size()))
     counts = torch.zeros(2, dtype=torch.int64, device=device)
@@ -157,7 +156,7 @@ def worker(rank, world_size, port, backend, epochs, batch_size, lr, folder, resu
         # global RNG, which the checkpoints save and restore for dropout.
         loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler,
                             generator=torch.Generator().manual_seed(0))
-        model = DDP(make_model().to(device), device_ids=[rank] if device.type == "cuda" else None)
+        model = DDP(make_model().to(device), device_ids=[device] if device.type == "cuda" else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         step, config = 0, {"world_size": world_size, "batch_size": batch_size, "lr": lr}
         if resume:  # every rank loads, onto its own device, tensors and plain types only
