@@ -1,4 +1,5 @@
 """Shared test helpers: run a lesson exactly as a user does, and make sure no process outlives a test."""
+import functools
 import os
 import re
 import subprocess
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from run_lessons import command_argv  # noqa: E402
 MARKER = "COURSE_TEST_PROCESS"  # every process a test starts inherits this variable, so leftovers can be found
 
 
@@ -44,6 +47,34 @@ def processes_with_marker(marker):
     return found
 
 
+def kill_leftovers(marker, wait=10):
+    """Waits up to `wait` s for processes carrying `marker` to end, kills the rest; returns their PIDs."""
+    if not Path("/proc/self/environ").exists():
+        return []
+    deadline = time.monotonic() + wait
+    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    return left
+
+
+@functools.lru_cache(maxsize=None)
+def run_readme_command(command):
+    """A README command (`python NN_x/prove.py ...`, `torchrun ...`), run ONCE per test session from
+    the repository root, exactly as run_lessons.py runs it. The README output test and the lesson's
+    own tests read the same run: each rank costs seconds to start, so nothing runs twice."""
+    marker = uuid.uuid4().hex
+    result = subprocess.run(command_argv(command), cwd=REPO, env=lesson_env(marker), capture_output=True,
+                            text=True, timeout=280)
+    left = kill_leftovers(marker)
+    assert not left, f"`{command}` left processes running: {left}"
+    return result
+
+
 @pytest.fixture
 def lesson(request):
     """Runs lessons for a test, then checks that none of the processes they started is still alive."""
@@ -59,16 +90,7 @@ def lesson(request):
             return start_lesson(script, *args, marker=marker, **kw)
 
     yield Runner()
-    if not Path("/proc/self/environ").exists():
-        return
-    deadline = time.monotonic() + 10
-    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in left:
-        try:
-            os.kill(pid, 9)
-        except OSError:
-            pass
+    left = kill_leftovers(marker)
     assert not left, f"processes left running after the test: {left}"
 
 

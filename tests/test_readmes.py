@@ -6,6 +6,8 @@ Markers, written as an HTML comment on the line just before a fenced block:
   <!-- mistake: TEXT --> ```python  deliberately wrong: must exit non-zero and print TEXT
   <!-- output: CMD --> ```text      the output CMD prints (run from the repo root); numbers may differ,
                                     a line holding only '...' stands for any number of lines
+  <!-- diff: A B -->   ```diff      exactly `python tests/lesson_diff.py A B`: the real diff between
+                                    two lesson scripts, so the README's diff cannot go stale
 """
 import re
 import subprocess
@@ -13,10 +15,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, lesson_env
-
-sys.path.insert(0, str(REPO))
-from run_lessons import command_argv  # noqa: E402
+from conftest import REPO, lesson_env, run_readme_command
+from lesson_diff import lesson_diff, split_hunks
 
 READMES = [REPO / "README.md", *sorted(REPO.glob("[0-9][0-9]_*/README.md"))]
 BLOCK = re.compile(r"(?:<!--\s*(?P<mark>[^\n]*?)\s*-->[ \t]*\n)?^```(?P<lang>[\w+-]*)[ \t]*\n(?P<body>.*?)^```", re.S | re.M)
@@ -35,13 +35,17 @@ def blocks():
 ALL_BLOCKS = list(blocks())
 PYTHON = [b for b in ALL_BLOCKS if b.values[1] == "python" and b.values[0] != "fragment"]
 OUTPUTS = [b for b in ALL_BLOCKS if b.values[0].startswith("output:")]
+DIFFS = [b for b in ALL_BLOCKS if b.values[0].startswith("diff:")]
 
 
 def test_every_marker_is_known():
     for mark, lang, _ in (b.values for b in ALL_BLOCKS):
-        assert mark in ("", "fragment") or mark.startswith(("mistake:", "output:")), f"unknown marker {mark!r}"
+        assert mark in ("", "fragment") or mark.startswith(("mistake:", "output:", "diff:")), \
+            f"unknown marker {mark!r}"
         if mark.startswith("output:"):
             assert lang == "text", "an output block is a ```text block"
+        if mark.startswith("diff:"):
+            assert lang == "diff", "a diff block is a ```diff block"
 
 
 @pytest.mark.timeout(240)
@@ -77,9 +81,38 @@ def test_output_pattern_can_fail():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mark, lang, expected", OUTPUTS)
-def test_expected_output_is_what_the_command_prints(mark, lang, expected, lesson):
-    command = command_argv(mark.split(":", 1)[1])  # exactly as run_lessons.py runs it
-    result = subprocess.run(command, cwd=REPO, env=lesson_env(lesson.tag), capture_output=True,
-                            text=True, timeout=280)
+def test_expected_output_is_what_the_command_prints(mark, lang, expected):
+    result = run_readme_command(mark.split(":", 1)[1].strip())  # shared with the lesson's tests
     assert output_pattern(expected).fullmatch(result.stdout), (
         f"README output block does not match what `{mark}` prints now:\n{result.stdout}\n{result.stderr[-2000:]}")
+
+
+@pytest.mark.parametrize("mark, lang, shown", DIFFS)
+def test_diff_block_is_the_real_diff(mark, lang, shown):
+    before, after = mark.split(":", 1)[1].split()
+    assert_shows_real_hunks(shown, lesson_diff(REPO / before, REPO / after),
+                            f"python tests/lesson_diff.py {before} {after}")
+
+
+def assert_shows_real_hunks(shown, real, command):
+    """The block's header and hunks, each exactly as in the real diff and in its order."""
+    shown_header, shown_hunks = split_hunks(shown)
+    real_header, real_hunks = split_hunks(real)
+    assert shown_header == real_header and shown_hunks, f"the diff block must start with:\n{real_header}"
+    positions = []
+    for hunk in shown_hunks:
+        assert hunk in real_hunks, f"this hunk is not in the real diff (stale? see `{command}`):\n{hunk}"
+        positions.append(real_hunks.index(hunk))
+    assert positions == sorted(positions), "the hunks are out of order"
+
+
+def test_diff_check_can_fail(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\ny = 2\nz = 3\n\n\n\nw = 4\n")
+    (tmp_path / "b.py").write_text("x = 1\ny = 5\nz = 3\n\n\n\nw = 6\n")
+    real = lesson_diff(tmp_path / "a.py", tmp_path / "b.py")
+    header, hunks = split_hunks(real)
+    assert len(hunks) == 2
+    assert_shows_real_hunks(header + hunks[1], real, "")  # a hunk left out is fine
+    for stale in (header + hunks[0].replace("y = 5", "y = 7"), header + hunks[1] + hunks[0], hunks[0]):
+        with pytest.raises(AssertionError):
+            assert_shows_real_hunks(stale, real, "")

@@ -1,0 +1,182 @@
+"""The lab of lesson 02: runs ddp_spawn.py and proves its claim.
+
+    python 02_ddp_spawn/prove.py                        # the proof, 2 ranks
+    python 02_ddp_spawn/prove.py --world-size 3
+    python 02_ddp_spawn/prove.py --break no-sync        # gradients never averaged: the proof FAILS
+    python 02_ddp_spawn/prove.py --break unseeded-data  # each rank builds other data: FAILS
+    python 02_ddp_spawn/prove.py --crash-rank 1         # rank 1 raises at step 2: the run stops
+
+The claim: N ranks end with bit-identical weights, and those equal lesson 00's single process
+trained on the global batch (at every step, the union of the N ranks' batches).
+"""
+import argparse
+import contextlib
+import importlib.util
+import io
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+import torch  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+import course  # noqa: E402
+import ddp_spawn as lesson  # noqa: E402
+
+TOLERANCE = 1e-5  # DDP and one process differ only in summation order: measured ~5e-8 (float32)
+BREAKS = {
+    "no-sync": "every forward runs under DDP's no_sync(): gradients are never averaged",
+    "unseeded-data": "the data is drawn from the global RNG before any seed, as lesson 02's "
+                     "README once did: each spawned process starts from its own random seed",
+}
+
+
+def load_single_process():
+    """Lesson 00's script, the reference every proof trains."""
+    path = os.path.join(os.path.dirname(HERE), "00_single_process", "single_process.py")
+    spec = importlib.util.spec_from_file_location("single_process", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class DDPWithoutSync(DistributedDataParallel):
+    """--break no-sync: each forward under no_sync(), so backward() all-reduces nothing."""
+
+    def forward(self, *inputs, **kwargs):
+        with self.no_sync():
+            return super().forward(*inputs, **kwargs)
+
+
+def make_dataset_from_global_rng(samples=256, seed=0):
+    """--break unseeded-data: torch.randn before any manual_seed (the bug this lab catches)."""
+    x = torch.randn(samples, 20)
+    return TensorDataset(x, (x @ torch.randn(20, 4)).argmax(dim=1))
+
+
+def crash_at_step(rank, step):
+    """--crash-rank: this rank raises after its `step`-th optimizer step; the lesson is unchanged."""
+    count = [0]
+
+    def hook(optimizer, args, kwargs):
+        count[0] += 1
+        if count[0] == step:
+            raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank)")
+    register_optimizer_step_post_hook(hook)
+
+
+def lab_worker(rank, world_size, port, backend, epochs, batch_size, lr, out_dir, broken, crash_rank,
+               timeout):
+    """Runs the lesson's worker unchanged (but for --break), then keeps what it returns in a file."""
+    if broken == "no-sync":
+        lesson.DDP = DDPWithoutSync
+    if broken == "unseeded-data":
+        lesson.make_dataset = make_dataset_from_global_rng
+    if rank == crash_rank:
+        crash_at_step(rank, 2)
+    try:
+        model, losses = lesson.worker(rank, world_size, port, backend, epochs, batch_size, lr,
+                                      timeout)
+    except BaseException:  # print this rank's own error first: mp.spawn may report a peer's
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save({"state": state, "losses": losses}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+class GlobalBatches:
+    """A batch_sampler for lesson 00: at every step, the union of what the N ranks' samplers give."""
+
+    def __init__(self, dataset, world_size, batch_size):
+        self.samplers = [DistributedSampler(dataset, world_size, r, seed=0) for r in range(world_size)]
+        self.batch_size, self.epoch = batch_size, 0
+
+    def __iter__(self):
+        for sampler in self.samplers:
+            sampler.set_epoch(self.epoch)
+        orders, self.epoch = [list(s) for s in self.samplers], self.epoch + 1
+        for start in range(0, len(orders[0]), self.batch_size):
+            yield [i for order in orders for i in order[start:start + self.batch_size]]
+
+    def __len__(self):
+        return -(-len(self.samplers[0]) // self.batch_size)
+
+
+def train_reference(world_size, epochs, batch_size, lr, device):
+    """Lesson 00's loop, one process, the global batch; returns its final weights."""
+    single = load_single_process()
+    dataset = single.make_dataset()
+    loader = DataLoader(dataset, batch_sampler=GlobalBatches(dataset, world_size, batch_size))
+    model = single.make_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    with contextlib.redirect_stdout(io.StringIO()):  # its epoch lines would repeat the lesson's
+        single.train(model, loader, optimizer, epochs, device)
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per step per rank (default 16)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda with NCCL when there is one GPU per rank, else cpu with gloo")
+    p.add_argument("--break", dest="broken", choices=sorted(BREAKS), help="break the claim on purpose: "
+                   + "; ".join(f"{k}: {v}" for k, v in BREAKS.items()))
+    p.add_argument("--crash-rank", type=int, help="this rank raises at step 2: the whole run must stop "
+                   "within seconds with that rank's own error")
+    p.add_argument("--timeout", type=float, default=60, help="process group timeout in seconds: a stuck "
+                   "collective raises on gloo; on NCCL the watchdog aborts the process (default 60)")
+    args = p.parse_args(argv)
+    if min(args.world_size, args.epochs, args.batch_size) < 1 or args.lr <= 0 or args.timeout <= 0:
+        course.refuse("--world-size, --epochs, --batch-size, --lr and --timeout must be positive")
+    if args.broken == "no-sync" and args.world_size < 2:
+        course.refuse("--break no-sync needs --world-size 2 or more: one rank has nothing to average")
+    if args.crash_rank is not None:
+        steps = args.epochs * -(-(-(-256 // args.world_size)) // args.batch_size)
+        if not 0 <= args.crash_rank < args.world_size:
+            course.refuse(f"--crash-rank must be a rank from 0 to {args.world_size - 1}")
+        if steps < 2:
+            course.refuse(f"--crash-rank crashes at step 2, but this run has {steps} step(s)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    backend, device, reason = course.backend_for(args.world_size, args.device)
+    print(f"backend: {backend} ({reason}); world size {args.world_size}; global batch "
+          f"{args.world_size} x {args.batch_size} = {args.world_size * args.batch_size}"
+          + (f"; --break {args.broken}: {BREAKS[args.broken]}" if args.broken else ""), flush=True)
+    with tempfile.TemporaryDirectory(prefix="prove02_") as out_dir:
+        start = time.perf_counter()
+        course.spawn_or_fail(lab_worker, (args.world_size, course.find_free_port(), backend, args.epochs,
+                                          args.batch_size, args.lr, out_dir, args.broken,
+                                          args.crash_rank, args.timeout), args.world_size)
+        seconds = time.perf_counter() - start
+        ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), map_location="cpu", weights_only=True)
+                 for r in range(args.world_size)]
+    reference = train_reference(args.world_size, args.epochs, args.batch_size, args.lr,
+                                torch.device("cuda:0" if device == "cuda" else "cpu"))
+    between = max(course.max_abs_diff(ranks[0]["state"], r["state"]) for r in ranks)
+    vs_single = course.max_abs_diff(ranks[0]["state"], reference)
+    print(f"training took {seconds:.1f} s on {course.hardware()}")
+    print("each rank's own loss at the last step: "
+          + ", ".join(f"{r['losses'][-1]:.4f}" for r in ranks) + " (each rank saw other samples)")
+    passed = between == 0.0 and vs_single <= TOLERANCE
+    return course.report_proof(
+        passed, f"{args.world_size} ranks end with {'identical' if between == 0.0 else 'DIFFERENT'} "
+        f"weights, {'equal' if vs_single <= TOLERANCE else 'NOT equal'} to lesson 00 trained in one "
+        f"process on the global batch of {args.world_size * args.batch_size}",
+        f"max |dw| between ranks {between:.1e}, against one process {vs_single:.1e}", f"{TOLERANCE:.0e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

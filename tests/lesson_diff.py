@@ -1,0 +1,45 @@
+"""The diff between two lesson scripts, as a README shows it in a ```diff block after
+<!-- diff: A B -->. tests/test_readmes.py checks the block: its two header lines, then any of the
+real diff's hunks (each one whole, unchanged, in order); a README may leave hunks out.
+
+    python tests/lesson_diff.py 00_single_process/single_process.py 02_ddp_spawn/ddp_spawn.py
+"""
+import difflib
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def lesson_diff(before, after, context=1):
+    """Unified diff with `context` lines around each change; paths as given, relative to the repo."""
+    before, after = Path(before), Path(after)
+    name = lambda p: p.resolve().relative_to(REPO).as_posix() if p.resolve().is_relative_to(REPO) else p.name  # noqa: E731
+    lines = difflib.unified_diff(before.read_text().splitlines(), after.read_text().splitlines(),
+                                 name(before), name(after), n=context, lineterm="")
+    return "".join(line + "\n" for line in lines)
+
+
+def split_hunks(diff):
+    """(the two header lines, [hunk, ...]); a hunk is its '@@' line and the lines up to the next."""
+    lines = diff.splitlines(keepends=True)
+    header, hunks = "".join(lines[:2]), []
+    for line in lines[2:]:
+        if line.startswith("@@"):
+            hunks.append("")
+        if hunks:
+            hunks[-1] += line
+    return header, hunks
+
+
+def kept_fraction(before, after):
+    """The share of `before`'s lines that `after` keeps unchanged, in order."""
+    a, b = Path(before).read_text().splitlines(), Path(after).read_text().splitlines()
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    return sum(block.size for block in matcher.get_matching_blocks()) / len(a)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    sys.stdout.write(lesson_diff(REPO / sys.argv[1], REPO / sys.argv[2]))
