@@ -1,11 +1,12 @@
-"""Run every lesson in order, exactly as its README shows, and print a summary.
+"""Run every lesson's lab in order, exactly as its README shows, and print a summary.
 
     python run_lessons.py              # all lessons
     python run_lessons.py --only 02 04 # some of them
     python run_lessons.py --list       # just print the commands
 
-Each lesson's command is the first `<!-- output: COMMAND -->` block of its README, the same one the
-tests check, so the README, this runner and the tests cannot drift apart.
+Each lesson's command is the first `<!-- output: COMMAND -->` block of its README (the lab,
+`python NN_name/prove.py`), the same one the tests check, so the README, this runner and the tests
+cannot drift apart.
 """
 import argparse
 import re
