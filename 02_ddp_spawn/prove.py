@@ -11,8 +11,10 @@ trained on the global batch (at every step, the union of the N ranks' batches).
 """
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import io
+import math
 import os
 import sys
 import tempfile
@@ -60,6 +62,22 @@ def make_dataset_from_global_rng(samples=256, seed=0):
     return TensorDataset(x, (x @ torch.randn(20, 4)).argmax(dim=1))
 
 
+def fingerprint(dataset):
+    """A short digest of a data set's bytes: equal on every rank, or the ranks trained on other data."""
+    digest = hashlib.sha256()
+    for tensor in dataset.tensors:
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
+def keep_what_it_returns(function, kept):
+    """Wraps a lesson function so that the lab sees what it built; the lesson's code is unchanged."""
+    def wrapper(*args, **kwargs):
+        kept.append(function(*args, **kwargs))
+        return kept[-1]
+    return wrapper
+
+
 def crash_at_step(rank, step):
     """--crash-rank: this rank raises after its `step`-th optimizer step; the lesson is unchanged."""
     count = [0]
@@ -73,11 +91,14 @@ def crash_at_step(rank, step):
 
 def lab_worker(rank, world_size, port, backend, epochs, batch_size, lr, out_dir, broken, crash_rank,
                timeout):
-    """Runs the lesson's worker unchanged (but for --break), then keeps what it returns in a file."""
+    """Runs the lesson's worker unchanged (but for --break), then keeps what it returns in a file:
+    this rank's final weights, its losses, and a fingerprint of the data set it built."""
     if broken == "no-sync":
         lesson.DDP = DDPWithoutSync
     if broken == "unseeded-data":
         lesson.make_dataset = make_dataset_from_global_rng
+    datasets = []
+    lesson.make_dataset = keep_what_it_returns(lesson.make_dataset, datasets)
     if rank == crash_rank:
         crash_at_step(rank, 2)
     try:
@@ -88,7 +109,8 @@ def lab_worker(rank, world_size, port, backend, epochs, batch_size, lr, out_dir,
         sys.stderr.flush()
         raise
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    torch.save({"state": state, "losses": losses}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"state": state, "losses": losses, "data": fingerprint(datasets[0])},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 class GlobalBatches:
@@ -121,6 +143,12 @@ def train_reference(world_size, epochs, batch_size, lr, device):
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
+def steps_per_rank(world_size, epochs, batch_size, samples=256):
+    """Optimizer steps each rank takes: DistributedSampler pads the data to a multiple of the world
+    size, and the last batch of an epoch may be short (the lesson's data set has 256 samples)."""
+    return epochs * math.ceil(math.ceil(samples / world_size) / batch_size)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
@@ -141,7 +169,7 @@ def parse_args(argv=None):
     if args.broken == "no-sync" and args.world_size < 2:
         course.refuse("--break no-sync needs --world-size 2 or more: one rank has nothing to average")
     if args.crash_rank is not None:
-        steps = args.epochs * -(-(-(-256 // args.world_size)) // args.batch_size)
+        steps = steps_per_rank(args.world_size, args.epochs, args.batch_size)
         if not 0 <= args.crash_rank < args.world_size:
             course.refuse(f"--crash-rank must be a rank from 0 to {args.world_size - 1}")
         if steps < 2:

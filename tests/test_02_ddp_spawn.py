@@ -1,102 +1,172 @@
-"""Lesson 02 run as a user runs it: python 02_ddp_spawn/ddp_spawn.py [flags]."""
-import re
-import time
+"""Lesson 02 and its lab: N ranks under DDP train exactly like lesson 00 on the global batch.
+
+Command-line runs are what a user sees (the lab's proof, its breaks, a crashed rank, the lesson
+copied alone); the lab's pieces are tested in-process, where no rank has to start."""
+import importlib.util
+import itertools
+import shutil
+import uuid
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import assert_clear_usage_error, assert_crashed_rank_stops_the_run, assert_help_lists
+from conftest import (REPO, assert_crashed_rank_stops_the_run, last_line_matching, number_after,
+                      run_readme_command)
 
-
-SCRIPT = "02_ddp_spawn/ddp_spawn.py"
-pytestmark = pytest.mark.timeout(180)
-
-
-PROOF_LINE = re.compile(r"^PROOF (PASSED|FAILED): .* \(max \|dw\| between ranks (\S+)\); .* global batch of (\d+): "
-                        r"max \|dw\| (\S+) \(", re.M)
-
-
-def proof_numbers(stdout):
-    """(line, max |dw| between ranks, global batch, max |dw| against the single process) from the proof line."""
-    m = PROOF_LINE.search(stdout)
-    assert m, f"no proof line in:\n{stdout}"
-    return m.group(0), float(m.group(2)), int(m.group(3)), float(m.group(4))
+LAB = "02_ddp_spawn/prove.py"
+LESSON = "02_ddp_spawn/ddp_spawn.py"
+TOLERANCE = 1e-5
+pytestmark = pytest.mark.timeout(120)
 
 
-def test_default_run_from_another_directory_passes_the_proof(lesson, tmp_path):
-    start = time.monotonic()
-    result = lesson.run(SCRIPT, "--out-dir", tmp_path / "out", cwd=tmp_path)
-    elapsed = time.monotonic() - start
-    assert result.returncode == 0, result.stderr
-    assert "backend: gloo on cpu (no GPU visible); world size 2" in result.stdout
-    line, between, global_batch, vs_single = proof_numbers(result.stdout)
-    assert line.startswith("PROOF PASSED")
-    assert between == 0.0 and vs_single <= 1e-5 and global_batch == 32
-    assert "loss averaged over ranks" in result.stdout
-    assert "DDP averaged the gradients inside backward()" in result.stdout
-    assert elapsed < 60, f"default run took {elapsed:.0f} s"
-    # The files the user asked to keep: one per rank, loadable with weights_only=True, identical weights.
-    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
-    assert ranks[0]["local_losses"] != ranks[1]["local_losses"], "each rank's local loss should differ"
-    assert ranks[0]["mean_losses"] == ranks[1]["mean_losses"], "the logged average is the same everywhere"
-    assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in ranks[0]["state"])
-    assert not any(k.startswith("module.") for k in ranks[0]["state"]), "saved model.module.state_dict()"
+def load(path):
+    """Imports a script from its path under a name of its own, so no test shares its module state."""
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_{uuid.uuid4().hex}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_three_ranks_pass(lesson):
-    result = lesson.run(SCRIPT, "--world-size", 3)
-    assert result.returncode == 0, result.stderr
-    _, between, global_batch, vs_single = proof_numbers(result.stdout)
-    assert between == 0.0 and vs_single <= 1e-5 and global_batch == 48
+@pytest.fixture(scope="module")
+def prove():
+    return load(REPO / LAB)
 
 
-def test_resnet18_with_groupnorm_passes_in_float64(lesson):
-    result = lesson.run(SCRIPT, "--model", "resnet18", "--samples", 32, "--batch-size", 8, "--epochs", 1)  # 2 steps: enough
-    assert result.returncode == 0, result.stderr
-    assert "model resnet18 in float64" in result.stdout
-    _, between, _, vs_single = proof_numbers(result.stdout)
-    assert between == 0.0 and vs_single <= 1e-10
+def proof(stdout):
+    """(passed, max |dw| between ranks, max |dw| against one process) from the PROOF line."""
+    line = last_line_matching(r"^PROOF (PASSED|FAILED): ", stdout)
+    return (line.startswith("PROOF PASSED"), number_after("max |dw| between ranks", line),
+            number_after("against one process", line))
 
 
-def test_breaking_gradient_sync_fails_the_proof(lesson):
-    result = lesson.run(SCRIPT, "--no-sync-demo")
-    assert result.returncode == 1
-    line, between, _, vs_single = proof_numbers(result.stdout)
-    assert line.startswith("PROOF FAILED") and "identical parameters: NO" in line
-    assert between > 1e-3 and vs_single > 1e-3
-    assert "gradients were NOT synchronised" in result.stdout
+# --- the lab, run as the README runs it ---------------------------------------------------------
+
+def test_two_ranks_end_identical_and_equal_to_one_process():
+    result = run_readme_command(f"python {LAB}")  # the same run the README output test reads
+    assert result.returncode == 0, result.stderr[-3000:]
+    passed, between, vs_single = proof(result.stdout)
+    assert passed and between == 0.0 and vs_single <= TOLERANCE
+    assert "world size 2; global batch 2 x 16 = 32" in result.stdout
+    losses = last_line_matching(r"^each rank's own loss at the last step: ", result.stdout)
+    rank0, rank1 = (float(x) for x in losses.split(": ")[1].split(" (")[0].split(", "))
+    assert rank0 != rank1, "each rank's loss is on its own batch: DDP averages gradients, not losses"
 
 
-def test_two_concurrent_runs_do_not_collide(lesson):
-    runs = [lesson.start(SCRIPT, "--samples", 64, "--epochs", 1) for _ in range(2)]
-    outputs = [run.communicate(timeout=150) for run in runs]
-    for run, (stdout, stderr) in zip(runs, outputs):
-        assert run.returncode == 0, stderr
-        assert "PROOF PASSED" in stdout
+def test_three_ranks_in_one_launch(lesson):
+    result = lesson.run(LAB, "--world-size", 3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    passed, between, vs_single = proof(result.stdout)
+    assert passed and between == 0.0 and vs_single <= TOLERANCE
+    assert "global batch of 48" in result.stdout
 
 
-def test_a_crashed_rank_stops_the_whole_run_quickly_with_the_real_error(lesson):
-    assert_crashed_rank_stops_the_run(lesson, SCRIPT)
+@pytest.mark.parametrize("name, ranks_identical", [("no-sync", False), ("unseeded-data", True)])
+def test_each_break_fails_the_proof(name, ranks_identical):
+    result = run_readme_command(f"python {LAB} --break {name}")  # shared with the README's block
+    assert result.returncode == 1, result.stderr[-3000:]
+    passed, between, vs_single = proof(result.stdout)
+    assert not passed
+    assert vs_single > 1e-3, "a broken run must be far from one process, not at rounding level"
+    # no-sync: each rank steps on its own gradient, so the replicas drift apart. unseeded-data:
+    # DDP still averages the gradients, so the replicas agree, on the wrong (mixed) data.
+    assert (between == 0.0) == ranks_identical
 
+
+def test_a_crashed_rank_stops_the_run(lesson):
+    assert_crashed_rank_stops_the_run(lesson, LAB)
+
+
+# --- the lesson alone ----------------------------------------------------------------------------
+
+def test_two_copies_of_the_lesson_alone_run_at_once(lesson, tmp_path):
+    """Copied alone into empty folders, the lesson runs; started together, the two runs pick
+    their own free ports, so neither fails with EADDRINUSE."""
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copy(REPO / LESSON, tmp_path / name / "ddp_spawn.py")
+        runs.append(lesson.start(tmp_path / name / "ddp_spawn.py", "--epochs", 1, cwd=tmp_path / name))
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=90)
+        assert run.returncode == 0, stderr[-3000:]
+        assert "trained 8 steps" in stdout and "epoch 0  loss" in stdout
+
+
+# --- the lab's pieces, in-process ----------------------------------------------------------------
+
+@pytest.mark.parametrize("samples, world_size, batch_size", [(256, 2, 16), (50, 3, 7), (10, 4, 1)])
+def test_global_batches_are_the_ranks_batches_concatenated(prove, samples, world_size, batch_size):
+    """At every step, the reference's batch is rank 0's batch, then rank 1's, ... exactly as the
+    lesson's DataLoaders give them, including the sampler's padding and a short last batch."""
+    dataset = TensorDataset(torch.arange(samples))
+    global_batches = DataLoader(dataset, batch_sampler=prove.GlobalBatches(dataset, world_size, batch_size))
+    samplers = [DistributedSampler(dataset, num_replicas=world_size, rank=r, seed=0)
+                for r in range(world_size)]
+    loaders = [DataLoader(dataset, batch_size=batch_size, sampler=s,
+                          generator=torch.Generator().manual_seed(0)) for s in samplers]
+    for epoch in range(2):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        steps = 0
+        for global_batch, *per_rank in itertools.zip_longest(global_batches, *loaders):
+            assert global_batch is not None and None not in per_rank, "step counts differ"
+            assert torch.equal(global_batch[0], torch.cat([batch[0] for batch in per_rank]))
+            steps += 1
+        assert steps == len(global_batches) == len(loaders[0])
+
+
+def test_steps_per_rank_counts_the_padded_shard(prove):
+    for world_size, epochs, batch_size in itertools.product((1, 2, 3, 7), (1, 2), (1, 16, 37, 300)):
+        dataset = TensorDataset(torch.arange(256))
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=0)
+        expected = epochs * len(DataLoader(dataset, batch_size=batch_size, sampler=sampler))
+        assert prove.steps_per_rank(world_size, epochs, batch_size) == expected
+
+
+def test_the_lesson_builds_its_data_from_its_own_generator_and_the_break_does_not(prove):
+    lesson = load(REPO / LESSON)
+    torch.manual_seed(1)
+    first, broken_first = prove.fingerprint(lesson.make_dataset()), prove.make_dataset_from_global_rng()
+    torch.manual_seed(2)  # another process, another global seed
+    assert prove.fingerprint(lesson.make_dataset()) == first
+    assert prove.fingerprint(prove.make_dataset_from_global_rng()) != prove.fingerprint(broken_first)
+    assert first == prove.fingerprint(prove.load_single_process().make_dataset()), "00 and 02 share the data"
+
+
+# --- guard rails and help, in-process ------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
-    (["--lr", "-1"], "--samples, --batch-size, --epochs, --lr and --timeout must be positive"),
-    (["--crash-rank", "0", "--samples", "16", "--epochs", "1"], "--crash-rank crashes at step 2, but this run has 1 step(s)"),
-    (["--no-sync-demo", "--world-size", "1"], "--no-sync-demo needs --world-size 2 or more"),
-    (["--world-size", "0"], "--world-size must be at least 1, got 0"),
-    (["--backend", "nccl"], "--backend nccl needs --device cuda and one GPU per rank"),
-    (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs --device cuda"),
-    (["--device", "cuda"], "--device cuda needs one GPU per rank"),
-    (["--crash-rank", "5"], "--crash-rank must be a rank between 0 and 1"),
-    (["--batch-size", "0"], "must be positive"),
+    (["--world-size", "0"], "--world-size, --epochs, --batch-size, --lr and --timeout must be positive"),
+    (["--lr", "-1"], "must be positive"),
+    (["--timeout", "0"], "must be positive"),
+    (["--break", "no-sync", "--world-size", "1"], "--break no-sync needs --world-size 2 or more"),
+    (["--crash-rank", "2"], "--crash-rank must be a rank from 0 to 1"),
+    (["--crash-rank", "0", "--epochs", "1", "--batch-size", "128"], "but this run has 1 step(s)"),
+    (["--break", "nothing"], "invalid choice: 'nothing'"),
 ])
-def test_impossible_choices_are_clear_errors(lesson, args, message):
-    if torch.cuda.device_count() >= 2 and args[-1] != "cpu" and ("cuda" in args or "nccl" in args):
-        pytest.skip("this machine has the GPUs, so the choice is possible here")
-    assert_clear_usage_error(lesson.run(SCRIPT, *args, timeout=60), message)
+def test_impossible_choices_are_refused_before_any_rank_starts(prove, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        prove.parse_args(args)
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert message in stderr and "Traceback" not in stderr
 
 
-def test_help_lists_every_flag(lesson):
-    assert_help_lists(lesson.run(SCRIPT, "--help", timeout=60),
-                      ["--world-size", "--backend", "--device", "--model", "--dtype", "--samples", "--batch-size", "--epochs",
-                 "--lr", "--timeout", "--out-dir", "--no-sync-demo", "--crash-rank"])
+def test_cuda_without_gpus_is_refused(prove, capsys):
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has one GPU per rank, so --device cuda is possible here")
+    with pytest.raises(SystemExit) as exit_:
+        prove.main(["--device", "cuda"])
+    assert exit_.value.code == 2
+    assert "--device cuda needs one GPU per rank" in capsys.readouterr().err
+
+
+def test_help_names_every_flag_and_break(prove, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        prove.parse_args(["--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    for flag in ("--world-size", "--epochs", "--batch-size", "--lr", "--device", "--break", "--crash-rank",
+                 "--timeout", *prove.BREAKS):
+        assert flag in shown, f"--help does not mention {flag}"
