@@ -91,8 +91,9 @@ def checkpoint(folder, model, optimizer, step, config, device):
         if os.name == "posix":  # and the rename itself is on disk
             fd = os.open(folder, os.O_RDONLY)
             os.fsync(fd), os.close(fd)
-        for old in sorted(glob.glob(os.path.join(folder, "step*.pt")))[:-2]:
-            os.remove(old)  # keep this one and the one before: a damaged file costs one interval
+        others = [p for p in glob.glob(os.path.join(folder, "step*.pt")) if p != path]
+        for old in sorted(others, key=lambda p: (f"step{step:07d}-" not in p, p))[:-1]:
+            os.remove(old)  # keep this one and the one before it (not a damaged one of this step)
         print(f"saved {path}", flush=True)
     dist.barrier()  # every rank: when it returns, the checkpoint exists for everyone
 
