@@ -11,6 +11,7 @@ script stays self-contained, so a reader can copy it alone.
 import multiprocessing
 import os
 import platform
+import random
 import socket
 import sys
 
@@ -47,12 +48,22 @@ def find_free_port():
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+def as_a_fresh_process(rank, fn, *args):
+    """Forked ranks would all inherit the server's RNG state; a process that mp.spawn starts seeds
+    torch and `random` afresh (each rank differently). Do the same, or the labs would hide the bug
+    of data drawn from the global RNG before any seed."""
+    torch.seed()
+    random.seed()
+    return fn(rank, *args)
+
+
 def spawn_or_fail(fn, args, nprocs):
-    """mp.spawn's job, through the forkserver; a failed rank is RUN FAILED (stderr) and exit 1, and
-    the other ranks have been stopped."""
+    """mp.spawn's job, through the forkserver, each rank seeded as a fresh process; a failed rank is
+    RUN FAILED (stderr) and exit 1, and the other ranks have been stopped."""
     multiprocessing.set_forkserver_preload(["__main__", "torch._dynamo"])
     try:
-        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=START_METHOD)
+        mp.start_processes(as_a_fresh_process, args=(fn, *args), nprocs=nprocs, join=True,
+                           start_method=START_METHOD)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         print(f"\nRUN FAILED: a rank stopped with an error, so every rank was stopped.\n{e}", file=sys.stderr)
         raise SystemExit(1) from None
