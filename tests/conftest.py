@@ -1,7 +1,10 @@
 """Shared test helpers: run a lesson exactly as a user does, and make sure no process outlives a test."""
 import functools
+import hashlib
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -62,17 +65,48 @@ def kill_leftovers(marker, wait=10):
     return left
 
 
+def shared_cache_dir(pid=None):
+    """One folder per test session, named after the pytest process that xdist's workers share as
+    their parent; removed when the session ends (pytest_sessionfinish)."""
+    if pid is None:
+        pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"course-readme-runs-{pid}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def pytest_sessionfinish(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the main pytest process, after every worker
+        shutil.rmtree(shared_cache_dir(os.getpid()), ignore_errors=True)
+
+
 @functools.lru_cache(maxsize=None)
 def run_readme_command(command):
     """A README command (`python NN_x/prove.py ...`, `torchrun ...`), run ONCE per test session from
     the repository root, exactly as run_lessons.py runs it. The README output test and the lesson's
-    own tests read the same run: each rank costs seconds to start, so nothing runs twice."""
-    marker = uuid.uuid4().hex
-    result = subprocess.run(command_argv(command), cwd=REPO, env=lesson_env(marker), capture_output=True,
-                            text=True, timeout=280)
-    left = kill_leftovers(marker)
-    assert not left, f"`{command}` left processes running: {left}"
-    return result
+    own tests read the same run, also from different xdist workers (a file lock makes the second
+    one wait for the first): each rank costs seconds to start, so nothing runs twice."""
+    cache = shared_cache_dir() / hashlib.sha256(command.encode()).hexdigest()[:20]
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): each worker runs the command itself
+        fcntl = None
+    with open(f"{cache}.lock", "w") as lock:
+        if fcntl:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if cache.with_suffix(".json").exists():
+            saved = json.loads(cache.with_suffix(".json").read_text())
+            return subprocess.CompletedProcess(saved["args"], saved["returncode"], saved["stdout"],
+                                               saved["stderr"])
+        marker = uuid.uuid4().hex
+        result = subprocess.run(command_argv(command), cwd=REPO, env=lesson_env(marker), capture_output=True,
+                                text=True, timeout=280)
+        left = kill_leftovers(marker)
+        assert not left, f"`{command}` left processes running: {left}"
+        cache.with_suffix(".json").write_text(json.dumps(
+            {"args": result.args, "returncode": result.returncode, "stdout": result.stdout,
+             "stderr": result.stderr}))
+        return result
 
 
 @pytest.fixture

@@ -86,11 +86,13 @@ def test_two_copies_of_the_lesson_alone_run_at_once(lesson, tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         shutil.copy(REPO / LESSON, tmp_path / name / "ddp_spawn.py")
-        runs.append(lesson.start(tmp_path / name / "ddp_spawn.py", "--epochs", 1, cwd=tmp_path / name))
+        # one rank each: still a process group on a port of its own, at a third of the start-up cost
+        runs.append(lesson.start(tmp_path / name / "ddp_spawn.py", "--epochs", 1, "--world-size", 1,
+                                 cwd=tmp_path / name))
     for run in runs:
         stdout, stderr = run.communicate(timeout=90)
         assert run.returncode == 0, stderr[-3000:]
-        assert "trained 8 steps" in stdout and "epoch 0  loss" in stdout
+        assert "world size 1" in stdout and "trained 16 steps" in stdout and "epoch 0  loss" in stdout
 
 
 # --- the lab's pieces, in-process ----------------------------------------------------------------

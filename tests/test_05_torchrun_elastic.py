@@ -1,4 +1,4 @@
-"""Lesson 05: the lab's two torchrun launches (one with rank 1 SIGKILLed and the group restarted), the
+"""Lesson 05: the lab's two runs (the torchrun one with rank 1 SIGKILLed and the group restarted), the
 lesson script alone under plain python (a world of one) and its checkpoint folder, the guard rails.
 Two-node launches are recipes in NOTES.md, not tests: each torchrun launch costs 5-10 s here."""
 import importlib.util

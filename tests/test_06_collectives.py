@@ -70,8 +70,8 @@ def ring_rows(stdout):
     return rows
 
 
-def test_default_run_shows_every_collective_and_passes_every_proof(lesson, tmp_path):
-    result = lesson.run(SCRIPT, "--out-dir", tmp_path / "out", cwd=tmp_path)
+def test_default_run_shows_every_collective_and_passes_every_proof():
+    result = run_readme_command(f"python {SCRIPT}")  # the README's run: each command runs once
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("backend: gloo on cpu (no GPU visible); world size 2;")
     lines = normalized(result.stdout)
@@ -103,12 +103,6 @@ def test_default_run_shows_every_collective_and_passes_every_proof(lesson, tmp_p
         assert r["diff"] <= 1e-5 and r["diff_tutorial"] <= 1e-5
     assert any(r["n"] == 4 and r["numel"] == 1000 and r["sent"] == [6000] * 4 and r["tutorial"] == 12000 for r in rows)
     assert "the ring equals dist.all_reduce at N = 2, 3, 4" in proofs[3] and "1x, 1.5x, 2x as much" in proofs[3]
-    # What the ranks saved: plain tensors and numbers, loadable with weights_only=True.
-    saved = torch.load(tmp_path / "out" / "world4_rank3.pt", weights_only=True)
-    assert set(saved) == {"ring"} and len(saved["ring"]) == 6
-    saved = torch.load(tmp_path / "out" / "world2_rank1.pt", weights_only=True)
-    assert set(saved) == {"collectives", "ddp", "ring"}
-    assert torch.equal(saved["collectives"]["seen"]["all_reduce(SUM)"][1], torch.tensor([10.0, 12.0, 14.0, 16.0]))
 
 
 def test_three_ranks(lesson):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, lesson_env
+from conftest import REPO, command_argv, lesson_env
 from lesson_diff import kept_fraction
 
 LESSONS = sorted(p for p in REPO.glob("[0-9][0-9]_*") if p.is_dir())
@@ -123,14 +123,21 @@ def test_runner_finds_every_lesson():
 
 @pytest.mark.timeout(120)
 def test_runner_runs_a_lesson_and_reports_it(lesson):
-    """Lesson 05's command starts with `torchrun`: the runner must launch it from this interpreter's torch
-    (python -m torch.distributed.run), so it works even where the venv's bin/ is not on PATH."""
-    env = dict(lesson_env(lesson.tag), PATH="/nonexistent")  # no torchrun (nor python) to find on PATH
-    result = subprocess.run([sys.executable, "run_lessons.py", "--only", "05"], cwd=REPO, capture_output=True,
+    """The runner runs a lesson's README command with this interpreter even where the venv's bin/ is
+    not on PATH (lesson 00: the cheapest lab; lesson 05's own tests launch torchrun the same way)."""
+    env = dict(lesson_env(lesson.tag), PATH="/nonexistent")  # no python (nor torchrun) to find on PATH
+    result = subprocess.run([sys.executable, "run_lessons.py", "--only", "00"], cwd=REPO, capture_output=True,
                             text=True, timeout=110, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "PROOF PASSED" in result.stdout
-    assert re.search(r"^05_torchrun_elastic\s+ok\s+\d+$", result.stdout, re.M)
+    assert re.search(r"^00_single_process\s+ok\s+\d+$", result.stdout, re.M)
+
+
+def test_torchrun_commands_run_from_this_interpreters_torch():
+    """`torchrun` in a README is launched as `python -m torch.distributed.run` of this interpreter."""
+    assert command_argv("torchrun --standalone x.py --a 1") == \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "x.py", "--a", "1"]
+    assert command_argv("python x.py")[0] == sys.executable
 
 
 def test_runner_rejects_an_unknown_lesson():
