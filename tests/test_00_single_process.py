@@ -78,6 +78,13 @@ def test_data_from_the_global_rng_fails_the_proof():
     assert len(data) == 2 and data[0] != data[1]
 
 
+def test_an_unseeded_model_fails_the_proof(lesson):
+    result = lesson.run(LAB, "--break", "unseeded-model", timeout=100)
+    assert result.returncode == 1, result.stderr[-3000:]
+    passed, line, at_start, at_end, _, _ = proof(result.stdout)
+    assert not passed and at_start > 1e-3 and at_end > 1e-3, line
+
+
 def test_impossible_input_is_refused_before_any_process_starts(lesson):
     assert_clear_usage_error(lesson.run(LAB, "--epochs", 1), "--epochs must be 2 or more")
 

@@ -52,6 +52,17 @@ def test_resuming_without_the_rng_states_fails_the_proof():
     assert proof.startswith("PROOF FAILED") and number_after("max |dw|", proof) > 1e-3, proof
 
 
+def test_a_rank_that_dies_in_every_attempt_makes_torchrun_give_up(lesson):
+    """Errata 13: restarts save a run from a passing failure, not from a bug that kills every attempt.
+    (--break plain-init is a study that can pass by luck: no test may depend on it failing.)"""
+    result = lesson.run(LAB, "--break", "crash-every-attempt", "--epochs", 1, timeout=200)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "crashed run: torchrun exit 1" in result.stdout, result.stdout
+    assert "attempt 1: find_checkpoint chose the checkpoint of step 5" in result.stdout, result.stdout
+    proof = last_line_matching("^PROOF", result.stdout)
+    assert proof.startswith("PROOF FAILED") and "torchrun gave up (exit 1)" in proof, proof
+
+
 def test_a_crashed_rank_stops_the_run(lesson):
     assert_crashed_rank_stops_the_run(lesson, LAB, rank=1)
 
