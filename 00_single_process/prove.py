@@ -101,7 +101,7 @@ def lab_worker(index, epochs, batch_size, lr, out_dir, broken):
 def spawn_fresh_or_fail(fn, args, nprocs):
     """mp.spawn, whose start method is always "spawn": each child is a fresh interpreter with a
     global seed of its own, as every rank is in lesson 02. (course.spawn_or_fail forks its children
-    from one forkserver and re-seeds each one; this lab shows the real thing: fresh processes.)
+    from a forkserver and re-seeds each one; this lab shows the real thing: fresh processes.)
     A failed child prints RUN FAILED and exits 1, like course.spawn_or_fail."""
     try:
         mp.spawn(fn, args=args, nprocs=nprocs, join=True)

@@ -1,6 +1,7 @@
 """Shared test helpers: run a lesson exactly as a user does, and make sure no process outlives a test."""
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -17,6 +18,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from run_lessons import command_argv  # noqa: E402
 MARKER = "COURSE_TEST_PROCESS"  # every process a test starts inherits this variable, so leftovers can be found
+
+
+def load_script(path, name=None):
+    """Imports a lesson or lab script from its path (relative to the repository, or absolute),
+    by default under a name of its own, so that no test shares its module state."""
+    path = REPO / path
+    spec = importlib.util.spec_from_file_location(name or f"{path.stem}_{uuid.uuid4().hex}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def lesson_env(marker):

@@ -3,39 +3,29 @@
 Command-line runs are what a user sees (the lab's proof, a break, a refused input, the lesson
 copied alone); the lesson's functions and the lab's verdict are tested in-process."""
 import contextlib
-import importlib.util
 import io
 import re
 import shutil
-import uuid
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import REPO, assert_clear_usage_error, last_line_matching, number_after, run_readme_command
+from conftest import load_script, REPO, assert_clear_usage_error, last_line_matching, number_after, run_readme_command
 
 LAB = "00_single_process/prove.py"
 LESSON = "00_single_process/single_process.py"
 pytestmark = pytest.mark.timeout(120)
 
 
-def load(path):
-    """Imports a script from its path under a name of its own, so no test shares its module state."""
-    spec = importlib.util.spec_from_file_location(f"{path.stem}_{uuid.uuid4().hex}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def lesson_module():
-    return load(REPO / LESSON)
+    return load_script(REPO / LESSON)
 
 
 @pytest.fixture(scope="module")
 def prove():
-    return load(REPO / LAB)
+    return load_script(REPO / LAB)
 
 
 def proof(stdout):

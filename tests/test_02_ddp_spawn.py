@@ -2,16 +2,14 @@
 
 Command-line runs are what a user sees (the lab's proof, its breaks, a crashed rank, the lesson
 copied alone); the lab's pieces are tested in-process, where no rank has to start."""
-import importlib.util
 import itertools
 import shutil
-import uuid
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import (REPO, assert_crashed_rank_stops_the_run, last_line_matching, number_after,
+from conftest import (load_script, REPO, assert_crashed_rank_stops_the_run, last_line_matching, number_after,
                       run_readme_command)
 
 LAB = "02_ddp_spawn/prove.py"
@@ -20,17 +18,9 @@ TOLERANCE = 1e-5
 pytestmark = pytest.mark.timeout(120)
 
 
-def load(path):
-    """Imports a script from its path under a name of its own, so no test shares its module state."""
-    spec = importlib.util.spec_from_file_location(f"{path.stem}_{uuid.uuid4().hex}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def prove():
-    return load(REPO / LAB)
+    return load_script(REPO / LAB)
 
 
 def proof(stdout):
@@ -127,7 +117,7 @@ def test_steps_per_rank_counts_the_padded_shard(prove):
 
 
 def test_the_lesson_builds_its_data_from_its_own_generator_and_the_break_does_not(prove):
-    lesson = load(REPO / LESSON)
+    lesson = load_script(REPO / LESSON)
     torch.manual_seed(1)
     first, broken_first = prove.fingerprint(lesson.make_dataset()), prove.make_dataset_from_global_rng()
     torch.manual_seed(2)  # another process, another global seed

@@ -8,7 +8,6 @@ input, and the lesson alone three times."""
 import contextlib
 import datetime
 import hashlib
-import importlib.util
 import io
 import os
 import shutil
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import course
-from conftest import (REPO, assert_clear_usage_error, assert_crashed_rank_stops_the_run,
+from conftest import (load_script, REPO, assert_clear_usage_error, assert_crashed_rank_stops_the_run,
                       assert_help_lists, last_line_matching, number_after, run_readme_command)
 
 LAB, SCRIPT = "04_sampler_checkpoint/prove.py", "04_sampler_checkpoint/sampler_checkpoint.py"
@@ -28,14 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 CONFIG = {"world_size": 1, "batch_size": 16, "lr": 0.05}
 
 
-def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, REPO / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sampler_checkpoint = load(SCRIPT, "sampler_checkpoint")
+sampler_checkpoint = load_script(SCRIPT, "sampler_checkpoint")
 
 
 @pytest.fixture
@@ -117,7 +109,7 @@ def test_every_file_damaged_or_another_config_stops_and_changes_nothing(two_chec
 
 
 def test_the_labs_guard_rails_refuse_before_any_rank_starts(capsys):
-    prove = load(LAB, "prove04")
+    prove = load_script(LAB, "prove04")
     for argv, message in [(["--epochs", "1"], "leave no checkpoint"), (["--world-size", "0"], "must be positive"),
                           (["--crash-rank", "2"], "--crash-rank must be a rank from 0 to 1")]:
         with pytest.raises(SystemExit) as refused:

@@ -1,7 +1,6 @@
 """Lesson 05: the lab's two runs (the torchrun one with rank 1 SIGKILLed and the group restarted), the
 lesson script alone under plain python (a world of one) and its checkpoint folder, the guard rails.
 Two-node launches are recipes in NOTES.md, not tests: each torchrun launch costs 5-10 s here."""
-import importlib.util
 import json
 import os
 import shutil
@@ -9,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import (REPO, assert_clear_usage_error, assert_crashed_rank_stops_the_run, assert_help_lists,
+from conftest import (load_script, REPO, assert_clear_usage_error, assert_crashed_rank_stops_the_run, assert_help_lists,
                       last_line_matching, number_after, run_readme_command)
 
 LAB = "05_torchrun_elastic/prove.py"
@@ -17,16 +16,9 @@ SCRIPT = REPO / "05_torchrun_elastic" / "torchrun_elastic.py"
 pytestmark = pytest.mark.timeout(240)
 
 
-def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def lab():
-    return load(REPO / LAB, "prove05")
+    return load_script(REPO / LAB, "prove05")
 
 
 def test_torchrun_restarts_the_killed_group_and_the_lesson_resumes_bit_exact():
@@ -123,7 +115,7 @@ def test_plain_python_trains_a_world_of_one_and_a_relaunch_resumes(lesson, tmp_p
     assert f"resuming from ckpt/{names[0]}" in again.stdout and "trained 17 steps after step 15" in again.stdout
     assert sorted(n[:11] for n in os.listdir(tmp_path / "ckpt")) == ["step0000030", "step0000032"]
 
-    script = load(tmp_path / "torchrun_elastic.py", "torchrun_elastic_copy")
+    script = load_script(tmp_path / "torchrun_elastic.py", "torchrun_elastic_copy")
     with pytest.raises(SystemExit) as refused:  # what a relaunch with --lr 0.1 meets, before any rank starts
         script.find_checkpoint(str(tmp_path / "ckpt"), {"world_size": 1, "batch_size": 16, "lr": 0.1})
     message = str(refused.value.code)
@@ -133,7 +125,7 @@ def test_plain_python_trains_a_world_of_one_and_a_relaunch_resumes(lesson, tmp_p
 
 def test_reliability_script_refuses_an_unknown_variant(lab, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "prove", lab)  # not another lesson's prove.py
-    study = load(REPO / "05_torchrun_elastic" / "elastic_reliability.py", "elastic_reliability05")
+    study = load_script(REPO / "05_torchrun_elastic" / "elastic_reliability.py", "elastic_reliability05")
     with pytest.raises(SystemExit) as refused:
         study.parse_args(["--variants", "nope"])
     assert refused.value.code == 2 and "unknown variant(s) nope" in capsys.readouterr().err
