@@ -49,7 +49,20 @@ BREAKS = {
     "loader-global-rng": "every DataLoader of the lesson loses its own generator: each iterator "
                          "draws its seed from the global RNG, the one dropout uses and checkpoints save",
     "padded-eval": "evaluate() over a DistributedSampler, which pads 101 samples to 102",
+    "rank0-rng-only": "the checkpoint as if it kept rank 0's RNG state only (a common shortcut): "
+                      "every resumed rank restores rank 0's state, so rank 1 draws rank 0's masks",
 }
+
+
+def with_rank0_rng_only(load):
+    """--break rank0-rng-only: torch.load as the lesson calls it on resume, but every rank gets rank
+    0's RNG state, as if rank 0 had saved only its own."""
+    def load_rank0_rng(*args, **kwargs):
+        state = load(*args, **kwargs)
+        if isinstance(state, dict) and "rng" in state:  # the checkpoint, not all_gather_object's
+            state["rng"] = [state["rng"][0]] * len(state["rng"])
+        return state
+    return load_rank0_rng
 
 
 # ---------------------------------------------------------------- the sampler, no process group
@@ -150,6 +163,8 @@ def lab_worker(rank, world_size, port, backend, epochs, folder, resume, out_dir,
         lesson.evaluate = padded_evaluate
     if broken == "no-rng-restore" and resume:
         torch.set_rng_state = lambda state: None
+    if broken == "rank0-rng-only" and resume:  # only this child's torch.load: the lab's are unchanged
+        torch.load = with_rank0_rng_only(torch.load)
     steps, evaluations = [0], []
     lesson.evaluate = recording(lesson.evaluate, evaluations, steps)
     register_optimizer_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))

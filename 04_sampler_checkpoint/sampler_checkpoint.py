@@ -132,7 +132,6 @@ def choose_backend(world_size):
 
 
 def find_free_port():
-    """A fixed port (12355, 29500) collides with any other job on the machine: ask the OS."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -159,6 +158,7 @@ def worker(rank, world_size, port, backend, epochs, batch_size, lr, folder, resu
                             generator=torch.Generator().manual_seed(0))
         model = DDP(make_model().to(device), device_ids=[device] if device.type == "cuda" else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        torch.manual_seed(1 + rank)  # each rank its own dropout masks, its own RNG state to save
         step, config = 0, {"world_size": world_size, "batch_size": batch_size, "lr": lr}
         if resume:  # every rank loads, onto its own device, tensors and plain types only
             state = torch.load(resume, map_location=device, weights_only=True)

@@ -171,6 +171,7 @@ def main(epochs=2, batch_size=16, lr=0.05, folder="checkpoints", timeout=60):
                             generator=torch.Generator().manual_seed(0))
         model = DDP(make_model().to(device), device_ids=[device] if device.type == "cuda" else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        torch.manual_seed(1 + rank)  # each rank its own dropout masks, its own RNG state to save
         if resume:  # every rank loads, onto its own device, tensors and plain types only
             state = torch.load(resume, map_location=device, weights_only=True)
             model.module.load_state_dict(state["model"])

@@ -132,7 +132,8 @@ def test_the_default_lab_run_kills_a_rank_resumes_it_and_passes():
 
 
 def test_every_break_fails_the_proof(lesson):
-    others = {name: lesson.start(LAB, "--break", name) for name in ("loader-global-rng", "padded-eval")}
+    others = {name: lesson.start(LAB, "--break", name)
+              for name in ("loader-global-rng", "padded-eval", "rank0-rng-only")}
     results = {name: run.communicate(timeout=120) + (run.returncode,) for name, run in others.items()}
     shared = run_readme_command(f"python {LAB} --break no-rng-restore")
     results["no-rng-restore"] = (shared.stdout, shared.stderr, shared.returncode)
@@ -155,7 +156,7 @@ def test_help_lists_every_flag_and_bad_input_is_one_line(lesson):
     (help_out, help_err), (_, bad_err) = (run.communicate(timeout=60) for run in runs)
     assert_help_lists(subprocess.CompletedProcess([], runs[0].returncode, help_out, help_err),
                       ["--world-size", "--epochs", "--device", "--break", "--crash-rank", "--timeout",
-                       "no-rng-restore", "loader-global-rng", "padded-eval"])
+                       "no-rng-restore", "loader-global-rng", "padded-eval", "rank0-rng-only"])
     assert_clear_usage_error(subprocess.CompletedProcess([], runs[1].returncode, "", bad_err),
                              "invalid choice: 'nothing'")
 
