@@ -6,6 +6,7 @@ script stays self-contained, so a reader can copy it alone.
     spawn_or_fail(fn, args, nprocs)   mp.spawn; a failed rank prints RUN FAILED and exits 1
     report_proof(...)                 the PROOF PASSED/FAILED line; returns the exit code
     refuse(message)                   one line on stderr, exit 2: a guard rail, no traceback
+    add_break_flag, add_device_flag, add_timeout_flag: the flags every lab spells the same way
     hardware()                        the CPU/GPU, cores and torch version that timings ran on
 """
 import multiprocessing
@@ -23,6 +24,23 @@ def refuse(message):
     """A guard rail: bad input ends the run with one clear line and exit code 2, before any rank starts."""
     print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def add_break_flag(parser, breaks):
+    """--break NAME: the lab's ways to break its claim on purpose, {name: what it does}."""
+    parser.add_argument("--break", dest="broken", choices=sorted(breaks), help="break the claim on "
+                        "purpose: " + "; ".join(f"{k}: {v}" for k, v in breaks.items()))
+
+
+def add_device_flag(parser):
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: cuda with NCCL when there is one GPU per rank, else cpu with gloo")
+
+
+def add_timeout_flag(parser):
+    parser.add_argument("--timeout", type=float, default=60, help="process group timeout in seconds: "
+                        "a stuck collective raises on gloo; on NCCL the watchdog aborts the process "
+                        "(default 60)")
 
 
 def backend_for(world_size, device="auto"):

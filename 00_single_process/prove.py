@@ -100,8 +100,8 @@ def lab_worker(index, epochs, batch_size, lr, out_dir, broken):
 
 def spawn_fresh_or_fail(fn, args, nprocs):
     """mp.spawn, whose start method is always "spawn": each child is a fresh interpreter with a
-    global seed of its own, as every rank is in lesson 02. (course.spawn_or_fail forks its children
-    from a forkserver and re-seeds each one; this lab shows the real thing: fresh processes.)
+    global seed of its own, as every rank is in lesson 02. (The labs' course.spawn_or_fail forks
+    each child of a forkserver and re-seeds it; this lab shows the real thing: fresh processes.)
     A failed child prints RUN FAILED and exits 1, like course.spawn_or_fail."""
     try:
         mp.spawn(fn, args=args, nprocs=nprocs, join=True)
@@ -149,8 +149,7 @@ def parse_args(argv=None):
                    "proof compares the first epoch's mean loss with the last's (default 2)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per step (default 32)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    p.add_argument("--break", dest="broken", choices=sorted(BREAKS), help="break the claim on purpose: "
-                   + "; ".join(f"{k}: {v}" for k, v in BREAKS.items()))
+    course.add_break_flag(p, BREAKS)
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.lr <= 0:
         course.refuse("--batch-size and --lr must be positive")

@@ -243,14 +243,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: cuda with NCCL when there is one GPU per rank, else cpu with gloo")
-    p.add_argument("--break", dest="broken", choices=sorted(BREAKS), help="break the claim on purpose: "
-                   + "; ".join(f"{k}: {v}" for k, v in BREAKS.items()))
+    course.add_device_flag(p)
+    course.add_break_flag(p, BREAKS)
     p.add_argument("--crash-rank", type=int, help="this rank raises at step 2 of the uninterrupted run: "
                    "the whole run must stop within seconds with that rank's own error")
-    p.add_argument("--timeout", type=float, default=60, help="process group timeout in seconds: a stuck "
-                   "collective raises on gloo; on NCCL the watchdog aborts the process (default 60)")
+    course.add_timeout_flag(p)
     args = p.parse_args(argv)
     if min(args.world_size, args.epochs) < 1 or args.timeout <= 0:
         course.refuse("--world-size, --epochs and --timeout must be positive")

@@ -249,8 +249,7 @@ def tell_attempts(out_dir, run, stderr):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2: 16 steps)")
-    p.add_argument("--break", dest="broken", choices=sorted(BREAKS), help="break the claim on purpose: "
-                   + "; ".join(f"{k}: {v}" for k, v in BREAKS.items()))
+    course.add_break_flag(p, BREAKS)
     p.add_argument("--crash-rank", type=int, help="this rank raises at step 2 of one launch with no "
                    "restarts: the whole run must stop within seconds with that rank's own error")
     p.add_argument("--timeout", type=float, default=60, help="process group timeout in seconds: a stuck "
