@@ -14,7 +14,10 @@ from lesson_diff import kept_fraction
 LESSONS = sorted(p for p in REPO.glob("[0-9][0-9]_*") if p.is_dir())
 ALLOWED = set(sys.stdlib_module_names) | {"torch", "torchvision", "matplotlib"}
 MAIN_LINE = ["00_single_process", "02_ddp_spawn", "04_sampler_checkpoint", "05_torchrun_elastic"]
-# Lessons in the short-script-plus-lab shape. 01, 03 and 06 follow in the next redesign issue.
+# Side lessons branch from a main-line lesson, and their README shows the diff from it.
+BRANCHES_FROM = {"01_dataparallel": "00_single_process", "03_model_parallel": "02_ddp_spawn",
+                 "06_collectives": "02_ddp_spawn"}
+# Lessons in the short-script-plus-lab shape (a lab, prove.py, beside the lesson).
 SHAPED = [d for d in LESSONS if (d / "prove.py").exists()]
 
 
@@ -57,6 +60,20 @@ def test_each_main_line_lesson_is_a_small_diff_on_the_previous(before, after):
     readme = (REPO / after / "README.md").read_text()
     marker = f"<!-- diff: {before}/{previous.name} {after}/{current.name} -->"
     assert marker in readme, f"{after}/README.md must show its diff from {before} under {marker}"
+
+
+@pytest.mark.parametrize("folder", [d for d in SHAPED if d.name in BRANCHES_FROM], ids=lambda p: p.name)
+def test_each_side_lesson_shows_its_diff_from_the_lesson_it_branches_from(folder):
+    parent = REPO / BRANCHES_FROM[folder.name]
+    previous, current = lesson_script(parent), lesson_script(folder)
+    kept = kept_fraction(previous, current)
+    assert kept >= 0.30, f"{current.name} keeps only {kept:.0%} of {previous.name}'s lines: not a branch of it"
+    marker = f"<!-- diff: {parent.name}/{previous.name} {folder.name}/{current.name} -->"
+    assert marker in (folder / "README.md").read_text(), f"{folder.name}/README.md must show its diff under {marker}"
+
+
+def test_every_side_lesson_names_the_lesson_it_branches_from():
+    assert sorted(BRANCHES_FROM) == sorted(d.name for d in LESSONS if d.name not in MAIN_LINE)
 
 
 def test_there_are_lessons():
