@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import tempfile
@@ -26,14 +27,65 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from collectives import find_free_port, ring_all_reduce, tutorial_ring_all_reduce
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = [2 ** k for k in range(10, 27)]  # 1 KiB ... 64 MiB
-BATCHES = [8, 16, 32, 64, 128]  # the issue's range
+BATCHES = [8, 16, 32, 64, 128]  # the range the targets were set for
 EXTRA_BATCHES = [256]  # beyond it: to test where the model says efficiency reaches 0.90
 CAPS = [1, 5, 25, 100, None]  # bucket_cap_mb; None = DDP's default (25 MiB, and 1 MiB for the first bucket)
 DDP_TIMERS = ("forward_compute_time", "backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
+
+
+# The ring this benchmark measured (bench_results.json): lesson 06's ring as of commit 445f873, with
+# isend/irecv posted apart and a reusable receive buffer. The lesson's ring now posts each step as one
+# batch_isend_irecv and allocates its buffer per call: it was not timed here.
+
+def find_free_port():
+    """Ask the OS for a port nobody uses now; a fixed port (12355, 29500) collides between jobs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exchange(send, recv, right, left):
+    """Send to the right neighbour while receiving from the left one. Both are posted before either waits:
+    two blocking dist.send calls facing each other wait forever (gloo's send waits for the matching recv)."""
+    requests = [dist.isend(send, right), dist.irecv(recv, left)]
+    for request in requests:
+        request.wait()
+
+
+def ring_all_reduce(tensor, scratch=None):
+    """Sum `tensor` over all ranks, in place, the way NCCL and gloo do: cut it into N chunks, then
+    N-1 reduce-scatter steps and N-1 all-gather steps around the ring. Returns the bytes this rank sent.
+    tensor must be contiguous (the chunks are views into it). scratch: a receive buffer of at least ceil(numel / N) elements to reuse across calls (fresh memory costs page faults)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = tensor.view(-1).tensor_split(world)  # views into `tensor`; sizes differ by at most one element
+    scratch = torch.empty_like(chunks[0]) if scratch is None else scratch  # chunk 0 is the largest
+    sent = 0
+    for step in range(world - 1):  # reduce-scatter: afterwards rank r holds the full sum of chunk r+1
+        outgoing, incoming = chunks[(rank - step) % world], chunks[(rank - step - 1) % world]
+        exchange(outgoing, scratch[:incoming.numel()], right, left)
+        incoming += scratch[:incoming.numel()]
+        sent += outgoing.numel() * outgoing.element_size()
+    for step in range(world - 1):  # all-gather: pass each finished chunk once around the ring
+        outgoing, incoming = chunks[(rank + 1 - step) % world], chunks[(rank - step) % world]
+        exchange(outgoing, incoming, right, left)
+        sent += outgoing.numel() * outgoing.element_size()
+    return sent
+
+
+def tutorial_ring_all_reduce(tensor):
+    """The official tutorial's ring ("Writing Distributed Applications with PyTorch"): correct, but it passes
+    the WHOLE tensor N-1 times around the ring, so each rank sends (N-1) * S bytes instead of 2(N-1)/N * S."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    outgoing, incoming, sent = tensor.clone(), torch.empty_like(tensor), 0
+    for _ in range(world - 1):
+        exchange(outgoing, incoming, (rank + 1) % world, (rank - 1) % world)
+        tensor += incoming
+        outgoing, incoming = incoming, outgoing  # forward what just arrived
+        sent += tensor.numel() * tensor.element_size()
+    return sent
 
 
 def machine():
@@ -250,7 +302,7 @@ def allreduce_medians(results):
 
 
 def targets(results):
-    """The issue's targets, each with its measured figure and a verdict: (name, measured, target, met)."""
+    """The targets set when the lesson was planned, each with its measured figure and a verdict: (name, measured, target, met)."""
     out = []
     if "allreduce" in results:
         sizes, samples, ratios = allreduce_medians(results)
@@ -340,7 +392,7 @@ def fig_scaling(results):
         ax.plot([128 * 1.08], [alone / statistics.median(merged["variants_at_128"][name])], marker, ms=8, mfc="none" if name == "default" else None,
                 label=f"batch 128, DDP {'default (again)' if name == 'default' else 'with ' + name}")
     ax.axhline(0.9, color="tab:green", ls="--", alpha=0.7, label="target 0.90")
-    ax.axvspan(BATCHES[-1] * 1.25, batches[-1] * 1.2, color="0.93", label="beyond the issue's range")
+    ax.axvspan(BATCHES[-1] * 1.25, batches[-1] * 1.2, color="0.93", label="beyond the planned range")
     ax.set(xscale="log", xticks=batches, xticklabels=batches, ylim=(0, 1.02), xlabel="batch per rank",
            ylabel="efficiency = throughput(2) / (2 x throughput(1))", title="Weak scaling of resnet18 32x32, 1 -> 2 ranks")
     ax.minorticks_off()
