@@ -2,10 +2,8 @@
 
     python 01_dataparallel/dataparallel.py [--replicas 3] [--epochs 1]
 
-nn.DataParallel is ONE process. With 2+ GPUs, at every forward it (1) scatters the batch in chunks,
-(2) replicates the module onto each GPU, (3) runs each replica on its chunk in a thread, (4) gathers
-the outputs on device_ids[0]; (5) backward() SUMS the replicas' gradients into the module. With one
-GPU or none it just calls the module: here, lesson 00's model trains through the 5 steps by hand.
+nn.DataParallel is ONE process: scatter, replicate, threads, gather; backward() SUMS the gradients.
+With one GPU or none it just calls the module: here lesson 00's model trains through them by hand.
 """
 import argparse
 import copy
@@ -58,16 +56,17 @@ def scatter(inputs, replicas):
 def replicate(module, replicas):
     """2. replicate, at EVERY step: per replica, a copy of the module's structure (a shell) and a
     differentiable copy (clone) of each parameter. In backward, a clone hands its gradient to the
-    original parameter, where autograd ADDS up what the replicas send: that is step 5."""
-    return [(copy.deepcopy(module), {name: p.clone() for name, p in module.named_parameters()})
-            for _ in range(replicas)]
+    original parameter, where autograd ADDS up what the replicas send: that is step 5. Replica 0
+    runs on the module's own buffers, so BatchNorm's running stats update, as nn.DataParallel's."""
+    return [(copy.deepcopy(module), {**(dict(module.named_buffers()) if i == 0 else {}),
+                                     **{name: p.clone() for name, p in module.named_parameters()}})
+            for i in range(replicas)]
 
 
 def parallel_apply(replicas, chunks):
     """3. parallel_apply: replica i runs on chunk i in a thread of its own (in its own shell:
     functional_call swaps tensors into the module it runs). A thread's error is raised here."""
     outputs, grad_enabled = [None] * len(chunks), torch.is_grad_enabled()
-
     def run(i):
         shell, tensors = replicas[i]
         try:
@@ -82,9 +81,8 @@ def parallel_apply(replicas, chunks):
         thread.start()
     for thread in threads:
         thread.join()
-    errors = [output for output in outputs if isinstance(output, Exception)]
-    if errors:
-        raise errors[0]
+    for error in (output for output in outputs if isinstance(output, Exception)):
+        raise error
     return outputs
 
 
@@ -147,4 +145,6 @@ if __name__ == "__main__":
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto",
                         help="auto: nn.DataParallel on cuda with 2+ GPUs, else cpu (default auto)")
     args = parser.parse_args()
+    if min(args.replicas, args.epochs, args.batch_size) < 1 or args.lr <= 0:
+        parser.error("--replicas, --epochs, --batch-size and --lr must be positive")
     main(args.replicas, args.epochs, args.batch_size, args.lr, args.device)

@@ -104,9 +104,12 @@ def test_run_lesson_leaves_the_lesson_module_as_it_was(prove):
 
 # --- the lesson alone ----------------------------------------------------------------------------
 
-def test_the_lesson_copied_alone_runs(lesson, tmp_path):
+def test_the_lesson_copied_alone_runs_and_refuses_bad_input(lesson, tmp_path):
     shutil.copy(REPO / LESSON, tmp_path / "dataparallel.py")
+    bad = lesson.start(tmp_path / "dataparallel.py", "--replicas", 0, cwd=tmp_path)  # at once: ~2 s each
     result = lesson.run(tmp_path / "dataparallel.py", "--replicas", 3, "--epochs", 1, cwd=tmp_path)
+    _, bad_err = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and "must be positive" in bad_err and "Traceback" not in bad_err, bad_err
     assert result.returncode == 0, result.stderr[-3000:]
     assert "3 replica(s), threads of one process" in result.stdout and "epoch 0  loss" in result.stdout
     assert re.search(r"^trained 8 steps in [\d.]+ s; final loss [\d.]+$", result.stdout, re.M), result.stdout
@@ -127,6 +130,13 @@ def test_the_hand_written_step_sums_the_replicas_gradients(lesson_module):
     assert out.shape == expected.shape and (out - expected).abs().max() <= TOLERANCE
     for p, g in zip(model.parameters(), expected_grads):
         assert (p.grad - g).abs().max() <= TOLERANCE
+
+
+def test_replica_0_updates_the_modules_own_buffers_as_nn_dataparallel_does(lesson_module):
+    """BatchNorm's running stats: replica 0 runs on the module's buffers, the others on copies."""
+    model = nn.Sequential(nn.Linear(20, 8), nn.BatchNorm1d(8))
+    lesson_module.HandWrittenDataParallel(model, 2)(lesson_module.make_dataset(samples=10).tensors[0])
+    assert model[1].num_batches_tracked.item() == 1 and model[1].running_mean.abs().sum() > 0
 
 
 def test_each_replica_runs_in_a_thread_of_its_own(lesson_module):
