@@ -34,7 +34,7 @@ def make_buckets(params, cap_bytes):
     """Parameters in buckets of at most cap_bytes (a larger one gets a bucket alone), last layer
     first: backward() produces the gradients in that order, so DDP buckets them that way."""
     buckets = [[]]
-    for p in reversed(list(params)):
+    for p in reversed([p for p in params if p.requires_grad]):  # frozen ones have no gradient
         if buckets[-1] and sum(q.numel() * q.element_size() for q in buckets[-1] + [p]) > cap_bytes:
             buckets.append([])
         buckets[-1].append(p)
@@ -43,7 +43,8 @@ def make_buckets(params, cap_bytes):
 
 def average_gradients(buckets, world_size, all_reduce):
     """What DDP does in backward(), by hand: all-reduce each bucket of flattened gradients (the sum
-    over the ranks), divide by N (the mean, which is DDP's), copy back into each .grad."""
+    over the ranks), divide by N (the mean, which is DDP's), copy back into each .grad. Every
+    parameter in a bucket needs a gradient on every rank: as DDP by default, no unused ones."""
     for bucket in buckets:
         flat = torch.cat([p.grad.flatten() for p in bucket])  # one message, not len(bucket)
         all_reduce(flat)
@@ -137,14 +138,13 @@ if __name__ == "__main__":  # required: mp.spawn re-imports this file in every c
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2, help="processes to start (default 2)")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per step PER RANK "
-                        "(default 16; the global batch is world size times this)")
-    parser.add_argument("--bucket-kb", type=float, default=4, help="KiB per bucket (default 4; 0: "
-                        "one all_reduce per parameter)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per step per rank")
+    parser.add_argument("--bucket-kb", type=float, default=4, help="bucket KiB; 0: one per tensor")
     parser.add_argument("--ring", action="store_true", help="all-reduce by this file's ring")
     args = parser.parse_args()
-    backend, reason = choose_backend(args.world_size)
-    print(f"backend: {backend} ({reason}); world size {args.world_size}; "
-          f"global batch {args.world_size} x {args.batch_size}", flush=True)
-    mp.spawn(worker, args=(args.world_size, find_free_port(), backend, args.epochs, args.batch_size,
-                           args.bucket_kb, args.ring), nprocs=args.world_size, join=True)
+    world_size, batch_size = args.world_size, args.batch_size
+    backend, reason = choose_backend(world_size)
+    print(f"backend: {backend} ({reason}); world size {world_size}; "
+          f"global batch {world_size} x {batch_size} = {world_size * batch_size}", flush=True)
+    mp.spawn(worker, args=(world_size, find_free_port(), backend, args.epochs, batch_size,
+                           args.bucket_kb, args.ring), nprocs=world_size, join=True)
