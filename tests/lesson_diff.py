@@ -3,8 +3,13 @@
 real diff's hunks (each one whole, unchanged, in order); a README may leave hunks out.
 
     python tests/lesson_diff.py 00_single_process/single_process.py 02_ddp_spawn/ddp_spawn.py
+    python tests/lesson_diff.py --refresh 06_collectives/README.md   # after editing a lesson
+
+--refresh rewrites each diff block of a README with the current hunks that start at the same line
+of the earlier lesson (the one it diffs from), so the README keeps the hunks it chose.
 """
 import difflib
+import re
 import sys
 from pathlib import Path
 
@@ -39,7 +44,20 @@ def kept_fraction(before, after):
     return sum(block.size for block in matcher.get_matching_blocks()) / len(a)
 
 
+def refresh(readme):
+    """Each `<!-- diff: A B -->` block of `readme` rewritten with today's hunks (see the docstring)."""
+    def block(match):
+        header, hunks = split_hunks(lesson_diff(REPO / match.group(1), REPO / match.group(2)))
+        by_start = {hunk.split()[1]: hunk for hunk in hunks}  # "-35,4": where it starts in A
+        kept = [by_start[h.split()[1]] for h in split_hunks(match.group(3))[1] if h.split()[1] in by_start]
+        return f"{match.group(0).split(chr(10))[0]}\n```diff\n{header}{''.join(kept)}```"
+    pattern = r"<!--\s*diff:\s*(\S+)\s+(\S+)\s*-->\n```diff\n(.*?)```"
+    readme.write_text(re.sub(pattern, block, readme.read_text(), flags=re.S))
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--refresh":
+        sys.exit(refresh(REPO / sys.argv[2]))
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     sys.stdout.write(lesson_diff(REPO / sys.argv[1], REPO / sys.argv[2]))
