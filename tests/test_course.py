@@ -25,8 +25,8 @@ def lesson_script(folder):
     return folder / f"{folder.name.split('_', 1)[1]}.py"
 
 
-def test_the_main_line_is_in_the_new_shape():
-    assert [d.name for d in SHAPED if d.name in MAIN_LINE] == MAIN_LINE
+def test_every_lesson_is_in_the_new_shape():
+    assert [d.name for d in SHAPED] == [d.name for d in LESSONS], "a lesson folder without its lab, prove.py"
 
 
 @pytest.mark.parametrize("folder", SHAPED, ids=lambda p: p.name)
