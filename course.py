@@ -7,6 +7,7 @@ script stays self-contained, so a reader can copy it alone.
     report_proof(...)                 the PROOF PASSED/FAILED line; returns the exit code
     refuse(message)                   one line on stderr, exit 2: a guard rail, no traceback
     add_break_flag, add_device_flag, add_timeout_flag: the flags every lab spells the same way
+    crash_at_step(rank, step)         --crash-rank: this rank raises after its step-th optimizer step
     hardware()                        the CPU/GPU, cores and torch version that timings ran on
 """
 import multiprocessing
@@ -18,6 +19,7 @@ import sys
 
 import torch
 import torch.multiprocessing as mp
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def refuse(message):
@@ -85,6 +87,18 @@ def spawn_or_fail(fn, args, nprocs):
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         print(f"\nRUN FAILED: a rank stopped with an error, so every rank was stopped.\n{e}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def crash_at_step(rank, step):
+    """--crash-rank: this rank raises after its `step`-th optimizer step (a global post-step hook,
+    so the lesson runs unchanged)."""
+    count = [0]
+
+    def hook(optimizer, args, kwargs):
+        count[0] += 1
+        if count[0] == step:
+            raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank)")
+    register_optimizer_step_post_hook(hook)
 
 
 def max_abs_diff(state_a, state_b):

@@ -25,7 +25,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 import course  # noqa: E402
@@ -78,17 +77,6 @@ def keep_what_it_returns(function, kept):
     return wrapper
 
 
-def crash_at_step(rank, step):
-    """--crash-rank: this rank raises after its `step`-th optimizer step; the lesson is unchanged."""
-    count = [0]
-
-    def hook(optimizer, args, kwargs):
-        count[0] += 1
-        if count[0] == step:
-            raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank)")
-    register_optimizer_step_post_hook(hook)
-
-
 def lab_worker(rank, world_size, port, backend, epochs, batch_size, lr, out_dir, broken, crash_rank,
                timeout):
     """Runs the lesson's worker unchanged (but for --break), then keeps what it returns in a file:
@@ -100,7 +88,7 @@ def lab_worker(rank, world_size, port, backend, epochs, batch_size, lr, out_dir,
     datasets = []
     lesson.make_dataset = keep_what_it_returns(lesson.make_dataset, datasets)
     if rank == crash_rank:
-        crash_at_step(rank, 2)
+        course.crash_at_step(rank, 2)
     try:
         model, losses = lesson.worker(rank, world_size, port, backend, epochs, batch_size, lr,
                                       timeout)

@@ -21,7 +21,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import course  # noqa: E402
@@ -53,17 +52,6 @@ def without_grad_scale(schedule_class):
     def build(*args, **kwargs):
         return schedule_class(*args, **{**kwargs, "scale_grads": False})
     return build
-
-
-def crash_at_step(rank, step):
-    """--crash-rank: this rank raises after its `step`-th optimizer step; the lesson is unchanged."""
-    count = [0]
-
-    def hook(optimizer, args, kwargs):
-        count[0] += 1
-        if count[0] == step:
-            raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank)")
-    register_optimizer_step_post_hook(hook)
 
 
 def params(module):
@@ -99,7 +87,7 @@ def lab_worker(rank, world_size, ports, backends, microbatches, epochs, batch_si
         pipelining.ScheduleGPipe = without_grad_scale(pipelining.ScheduleGPipe)
         pipelining.Schedule1F1B = without_grad_scale(pipelining.Schedule1F1B)
     if rank == crash_rank:
-        crash_at_step(rank, 2)
+        course.crash_at_step(rank, 2)
     seconds = {}
     try:
         if rank < world_size:

@@ -28,7 +28,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 import collectives as lesson  # noqa: E402
 import course  # noqa: E402
@@ -103,17 +102,6 @@ def install_break(broken):
         lesson.make_buckets = forgetting_the_last_bucket(lesson.make_buckets)
     elif broken == "ring-skips-a-step":
         lesson.ring_step = skipping_a_step(lesson.ring_step)
-
-
-def crash_at_step(rank, step):
-    """--crash-rank: this rank raises after its `step`-th optimizer step; the lesson is unchanged."""
-    count = [0]
-
-    def hook(optimizer, args, kwargs):
-        count[0] += 1
-        if count[0] == step:
-            raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank)")
-    register_optimizer_step_post_hook(hook)
 
 
 # --- what the ranks run -----------------------------------------------------------------------------
@@ -196,7 +184,7 @@ def lab_worker(rank, world_size, ports, backend, epochs, batch_size, lr, bucket_
     worker on the same data, then the ring checks and the tour; saves what it got to rank<r>.pt."""
     install_break(broken)
     if rank == crash_rank:
-        crash_at_step(rank, 2)
+        course.crash_at_step(rank, 2)
     try:
         states, buckets = [], []
         for (_, kb, ring), port in zip(modes(bucket_kb), ports):
