@@ -106,8 +106,8 @@ def train_pipeline(rank, port, backend, schedule, microbatches, epochs, batch_si
         stage = PipelineStage(module, stage_index=rank, num_stages=2, device=device)
         pipe = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](  # gradients / microbatches
             stage, microbatches, loss_fn=nn.functional.cross_entropy, scale_grads=True)  # mean loss
-        loader = DataLoader(make_dataset(), batch_size=batch_size, shuffle=True,  # same batches
-                            generator=torch.Generator().manual_seed(0))  # on both ranks
+        loader = DataLoader(make_dataset(), batch_size=batch_size, shuffle=True, drop_last=True,
+                            generator=torch.Generator().manual_seed(0))  # same on both ranks
         optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
         losses = []
         for epoch in range(epochs):

@@ -136,7 +136,7 @@ def global_batches(world_size, epochs, batch_size):
 
 def pipeline_batches(epochs, batch_size):
     """The whole batches the pipeline's ranks iterate (the same loader as the lesson's)."""
-    loader = DataLoader(lesson.make_dataset(), batch_size=batch_size, shuffle=True,
+    loader = DataLoader(lesson.make_dataset(), batch_size=batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(0))
     for _ in range(epochs):
         yield from loader
@@ -156,7 +156,7 @@ def choose_backends(world_size, device):
 def steps_per_rank(world_size, epochs, batch_size):
     """Optimizer steps a rank takes in the split under DDP (the padded shard) and the pipeline."""
     shard = -(-SAMPLES // world_size)
-    return epochs * -(-shard // batch_size), epochs * -(-SAMPLES // (2 * batch_size))
+    return epochs * -(-shard // batch_size), epochs * (SAMPLES // (2 * batch_size))  # drop_last
 
 
 def parse_args(argv=None):
@@ -175,10 +175,13 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if min(args.world_size, args.epochs, args.batch_size) < 1 or args.lr <= 0 or args.timeout <= 0:
         course.refuse("--world-size, --epochs, --batch-size, --lr and --timeout must be positive")
-    batch, last = 2 * args.batch_size, SAMPLES % (2 * args.batch_size) or 2 * args.batch_size
-    if args.microbatches < 2 or batch % args.microbatches or last % args.microbatches:
+    batch = 2 * args.batch_size  # the lesson's pipeline drops a short last batch (drop_last=True)
+    if batch > SAMPLES:
+        course.refuse(f"--batch-size {args.batch_size}: the pipeline's batch of {batch} is more than "
+                      f"the {SAMPLES} samples, so it would take no step")
+    if args.microbatches < 2 or batch % args.microbatches:
         course.refuse(f"--microbatches must be at least 2 (Schedule1F1B needs one per stage) and split "
-                      f"every pipeline batch ({batch}, the last one {last}) into equal micro-batches")
+                      f"the pipeline's batch of {batch} into equal micro-batches")
     if args.crash_rank is not None:
         ranks = max(args.world_size, 2)
         if not 0 <= args.crash_rank < ranks:
