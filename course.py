@@ -9,7 +9,9 @@ script stays self-contained, so a reader can copy it alone.
     add_break_flag, add_device_flag, add_timeout_flag: the flags every lab spells the same way
     crash_at_step(rank, step)         --crash-rank: this rank raises after its step-th optimizer step
     hardware()                        the CPU/GPU, cores and torch version that timings ran on
+    load_lesson(path)                 another lesson's script as a module: a lab's reference
 """
+import importlib.util
 import multiprocessing
 import os
 import platform
@@ -55,6 +57,16 @@ def backend_for(world_size, device="auto"):
     if device == "cpu":
         return "gloo", "cpu", "CPU requested"
     return "gloo", "cpu", "no GPU visible" if gpus == 0 else f"{gpus} GPU(s) for {world_size} ranks"
+
+
+def load_lesson(path):
+    """Another lesson's script (a path under the repository root, e.g. "00_single_process/
+    single_process.py") imported as a module, for the reference a lab trains."""
+    full = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], full)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def find_free_port():

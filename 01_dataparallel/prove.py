@@ -15,7 +15,6 @@ error in a replica's thread is raised again in the caller; the tests check that)
 import argparse
 import contextlib
 import copy
-import importlib.util
 import io
 import os
 import sys
@@ -47,11 +46,7 @@ BREAKS = {
 
 def load_single_process():
     """Lesson 00's script, the reference every proof trains."""
-    path = os.path.join(os.path.dirname(HERE), "00_single_process", "single_process.py")
-    spec = importlib.util.spec_from_file_location("single_process", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return course.load_lesson("00_single_process/single_process.py")
 
 
 def detached_replicate(module, replicas):

@@ -12,7 +12,6 @@ trained on the global batch (at every step, the union of the N ranks' batches).
 import argparse
 import contextlib
 import hashlib
-import importlib.util
 import io
 import math
 import os
@@ -40,11 +39,7 @@ BREAKS = {
 
 def load_single_process():
     """Lesson 00's script, the reference every proof trains."""
-    path = os.path.join(os.path.dirname(HERE), "00_single_process", "single_process.py")
-    spec = importlib.util.spec_from_file_location("single_process", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return course.load_lesson("00_single_process/single_process.py")
 
 
 class DDPWithoutSync(DistributedDataParallel):

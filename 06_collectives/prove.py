@@ -15,7 +15,6 @@ also shows every collective on 2 ranks, each output checked against the value wo
 import argparse
 import contextlib
 import datetime
-import importlib.util
 import io
 import math
 import os
@@ -47,11 +46,7 @@ BREAKS = {
 
 def load_ddp_lesson():
     """Lesson 02's script: its worker, with DDP, is the reference the hand-made averaging must equal."""
-    path = os.path.join(os.path.dirname(HERE), "02_ddp_spawn", "ddp_spawn.py")
-    spec = importlib.util.spec_from_file_location("ddp_spawn", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return course.load_lesson("02_ddp_spawn/ddp_spawn.py")
 
 
 ddp_lesson = load_ddp_lesson()
