@@ -159,6 +159,17 @@ def assert_clear_usage_error(result, message):
     assert "Traceback" not in result.stderr
 
 
+def assert_refused_in_process(function, argv, capsys, message):
+    """function(argv) (a lab's parse_args or main) refuses: SystemExit 2, the message on stderr, no
+    traceback; in-process, so no interpreter has to start. Returns stderr."""
+    with pytest.raises(SystemExit) as refused:
+        function(argv)
+    assert refused.value.code == 2
+    stderr = capsys.readouterr().err
+    assert message in stderr and "Traceback" not in stderr
+    return stderr
+
+
 def assert_crashed_rank_stops_the_run(lesson, script, *args, rank=1, within=30):
     """`--crash-rank RANK --timeout 300`: the run must stop within seconds (spawn stops the waiting ranks, not the
     timeout), exit 1, say RUN FAILED, show that rank's own error and print no proof. Returns the result."""

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import load_script, REPO, assert_clear_usage_error, last_line_matching, number_after, run_readme_command
+from conftest import (assert_refused_in_process,
+                      load_script, REPO, assert_clear_usage_error, last_line_matching, number_after, run_readme_command)
 
 LAB = "00_single_process/prove.py"
 LESSON = "00_single_process/single_process.py"
@@ -162,11 +163,7 @@ def test_the_verdict_fails_on_each_broken_part(prove, lesson_module):
     (["--break", "nothing"], "invalid choice: 'nothing'"),
 ])
 def test_impossible_choices_are_refused(prove, capsys, args, message):
-    with pytest.raises(SystemExit) as exit_:
-        prove.parse_args(args)
-    assert exit_.value.code == 2
-    stderr = capsys.readouterr().err
-    assert message in stderr and "Traceback" not in stderr
+    assert_refused_in_process(prove.parse_args, args, capsys, message)
 
 
 def test_help_names_every_flag_and_break_and_why_there_is_no_crash_rank(prove, capsys):

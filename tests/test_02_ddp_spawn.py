@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import (load_script, REPO, assert_crashed_rank_stops_the_run, last_line_matching, number_after,
+from conftest import (assert_refused_in_process,
+                      load_script, REPO, assert_crashed_rank_stops_the_run, last_line_matching, number_after,
                       run_readme_command)
 
 LAB = "02_ddp_spawn/prove.py"
@@ -138,11 +139,7 @@ def test_the_lesson_builds_its_data_from_its_own_generator_and_the_break_does_no
     (["--break", "nothing"], "invalid choice: 'nothing'"),
 ])
 def test_impossible_choices_are_refused_before_any_rank_starts(prove, capsys, args, message):
-    with pytest.raises(SystemExit) as exit_:
-        prove.parse_args(args)
-    assert exit_.value.code == 2
-    stderr = capsys.readouterr().err
-    assert message in stderr and "Traceback" not in stderr
+    assert_refused_in_process(prove.parse_args, args, capsys, message)
 
 
 def test_cuda_without_gpus_is_refused(prove, capsys):

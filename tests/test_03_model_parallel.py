@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import (REPO, assert_crashed_rank_stops_the_run, last_line_matching, load_script, number_after,
+from conftest import (assert_refused_in_process,
+                      REPO, assert_crashed_rank_stops_the_run, last_line_matching, load_script, number_after,
                       run_readme_command)
 
 LAB = "03_model_parallel/prove.py"
@@ -158,11 +159,7 @@ def test_steps_per_rank_counts_the_pipeline_batches(prove):
     (["--break", "nothing"], "invalid choice: 'nothing'"),
 ])
 def test_impossible_choices_are_refused_before_any_rank_starts(prove, capsys, args, message):
-    with pytest.raises(SystemExit) as exit_:
-        prove.parse_args(args)
-    assert exit_.value.code == 2
-    stderr = capsys.readouterr().err
-    assert message in stderr and "Traceback" not in stderr
+    assert_refused_in_process(prove.parse_args, args, capsys, message)
 
 
 def test_a_crash_rank_with_too_few_steps_is_refused(prove, capsys):

@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import (REPO, assert_crashed_rank_stops_the_run, last_line_matching, load_script,
+from conftest import (assert_refused_in_process,
+                      REPO, assert_crashed_rank_stops_the_run, last_line_matching, load_script,
                       number_after, run_readme_command)
 
 LAB = "06_collectives/prove.py"
@@ -204,11 +205,7 @@ def test_the_labs_byte_count_is_2_n_minus_1_chunks_per_rank(prove):
     (["--break", "ddp"], "invalid choice: 'ddp'"),
 ])
 def test_impossible_choices_are_refused_before_any_rank_starts(prove, capsys, args, message):
-    with pytest.raises(SystemExit) as exit_:
-        prove.parse_args(args)
-    assert exit_.value.code == 2
-    stderr = capsys.readouterr().err
-    assert message in stderr and "Traceback" not in stderr
+    assert_refused_in_process(prove.parse_args, args, capsys, message)
 
 
 def test_cuda_without_a_gpu_per_rank_is_refused(prove, capsys):
