@@ -8,6 +8,7 @@ import datetime
 import gc
 import glob
 import os
+import shutil
 import socket
 
 import torch
@@ -35,7 +36,6 @@ def make_model(seed=0):
 
 
 def train(model, loader, optimizer, epochs, device, first_epoch, folder):
-    """Forward, loss, backward, step, a checkpoint after each epoch; returns this rank's losses."""
     losses = []
     for epoch in range(first_epoch, epochs):
         loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
@@ -53,7 +53,7 @@ def train(model, loader, optimizer, epochs, device, first_epoch, folder):
 
 
 def save_checkpoint(folder, model, optimizer, epoch):
-    """EVERY rank writes its shards, then rank 0 `.metadata`; renamed when complete."""
+    """EVERY rank writes its shards, then rank 0 `.metadata` and the rename: one disk for all."""
     path = os.path.join(folder, f"epoch{epoch:04d}")
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards: no gather
     dcp.save({"model": model_sd, "optim": optim_sd, "epoch": epoch}, checkpoint_id=path + ".tmp")
@@ -86,7 +86,6 @@ def find_checkpoint(folder):
 
 
 def choose_backend(world_size):
-    """NCCL with one process per GPU when there are enough GPUs, else gloo on CPU; and why."""
     gpus = torch.cuda.device_count()
     if gpus >= world_size:
         return "nccl", f"{gpus} GPU(s) visible, one per rank"
@@ -132,6 +131,8 @@ def main(world_size=2, epochs=2, batch_size=16, lr=0.05, folder="ckpt_fsdp"):
     backend, reason = choose_backend(world_size)
     print(f"backend: {backend} ({reason}); world size {world_size}; "
           f"global batch {world_size} x {batch_size} = {world_size * batch_size}", flush=True)
+    for unfinished in glob.glob(os.path.join(folder, "epoch*.tmp")):  # from a save that crashed:
+        shutil.rmtree(unfinished)  # the next save must not rename its stray files in with its own
     resume = find_checkpoint(folder)
     print(f"resuming from {resume}" if resume else f"no checkpoint in {folder}: from epoch 0")
     mp.spawn(worker, args=(world_size, find_free_port(), backend, epochs, batch_size, lr,
@@ -141,9 +142,8 @@ def main(world_size=2, epochs=2, batch_size=16, lr=0.05, folder="ckpt_fsdp"):
 if __name__ == "__main__":  # required: mp.spawn re-imports this file in every child
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2, help="processes to start (default 2)")
-    parser.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per step PER RANK "
-                        "(default 16; the global batch is world size times this)")
+    parser.add_argument("--epochs", type=int, default=2, help="in all, resumed too (default 2)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per step PER RANK")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument("--out-dir", default="ckpt_fsdp", help="checkpoints (resumes from them)")
     args = parser.parse_args()

@@ -203,6 +203,23 @@ def test_an_unfinished_save_is_not_a_checkpoint(prove, alone, tmp_path):
     assert prove.lesson.find_checkpoint(str(tmp_path / "nothing here")) is None
 
 
+
+def test_a_crashed_saves_tmp_folder_is_removed_before_any_rank_starts(prove, alone, tmp_path,
+                                                                      monkeypatch, capsys):
+    """main() clears every epochNNNN.tmp, so that a later save cannot rename a crashed one's stray
+    files in with its own; the complete checkpoints stay, and the newest is resumed."""
+    shutil.copytree(alone[1] / "epoch0001", tmp_path / "epoch0001")
+    shutil.copytree(alone[1] / "epoch0001", tmp_path / "epoch0002.tmp")  # a save that crashed
+    (tmp_path / "epoch0002.tmp" / "__2_0.distcp").write_bytes(b"a larger world's shard")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "epoch0001").iterdir()}
+    started = []
+    monkeypatch.setattr(prove.lesson.mp, "spawn", lambda worker, args, **kw: started.append(args))
+    prove.lesson.main(world_size=2, epochs=3, folder=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["epoch0001"], "the unfinished save is gone"
+    assert {p.name: p.read_bytes() for p in (tmp_path / "epoch0001").iterdir()} == before
+    assert started and started[0][-1] == str(tmp_path / "epoch0001"), "ranks resume the newest"
+    assert f"resuming from {tmp_path / 'epoch0001'}" in capsys.readouterr().out
+
 # --- the lab's reference, in-process -------------------------------------------------------------
 
 @pytest.mark.parametrize("world_sizes, batch_size", [([2, 3], 16), ([3, 1], 7), ([4], 5)])
