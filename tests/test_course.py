@@ -16,7 +16,8 @@ ALLOWED = set(sys.stdlib_module_names) | {"torch", "torchvision", "matplotlib"}
 MAIN_LINE = ["00_single_process", "02_ddp_spawn", "04_sampler_checkpoint", "05_torchrun_elastic"]
 # Side lessons branch from a main-line lesson, and their README shows the diff from it.
 BRANCHES_FROM = {"01_dataparallel": "00_single_process", "03_model_parallel": "02_ddp_spawn",
-                 "06_collectives": "02_ddp_spawn", "07_fsdp_dcp": "02_ddp_spawn"}
+                 "06_collectives": "02_ddp_spawn", "07_fsdp_dcp": "02_ddp_spawn",
+                 "08_rpc": "02_ddp_spawn", "09_training_loop": "02_ddp_spawn"}
 # Lessons in the short-script-plus-lab shape (a lab, prove.py, beside the lesson).
 SHAPED = [d for d in LESSONS if (d / "prove.py").exists()]
 
