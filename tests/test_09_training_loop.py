@@ -1,0 +1,206 @@
+"""Lesson 09 and its lab: gradient accumulation with no_sync equals one big batch and skips K-1
+of K all-reduces; bf16 stays close to fp32; every rank clips with the same norm; uneven ranks hang
+without Join and finish with it; rank 0's TensorBoard file holds the scalars.
+
+Command-line runs are what a user sees (the lab's proof, a break, a crashed rank, the lesson copied
+alone with --log-dir, whose event file is read back); the rest runs the lesson's worker in this
+process, in a world of one rank."""
+import re
+import shutil
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import (REPO, assert_crashed_rank_stops_the_run, assert_help_lists,
+                      assert_refused_in_process, kill_leftovers, last_line_matching, load_script,
+                      number_after, run_lesson, run_readme_command)
+
+LAB = "09_training_loop/prove.py"
+LESSON = "09_training_loop/training_loop.py"
+TOLERANCE = 1e-5
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def prove():
+    return load_script(LAB)
+
+
+def proof(stdout):
+    """(passed, against one process, clip norms between ranks) from the PROOF line."""
+    line = last_line_matching(r"^PROOF (PASSED|FAILED): ", stdout)
+    return (line.startswith("PROOF PASSED"), number_after("max |dw| against one process", line),
+            number_after("clip norms", line))
+
+
+# --- the lab, run as the README runs it ---------------------------------------------------------
+
+def test_every_part_of_the_loop_is_proved():
+    result = run_readme_command(f"python {LAB}")  # the same run the README output test reads
+    assert result.returncode == 0, result.stderr[-3000:]
+    passed, vs_single, between = proof(result.stdout)
+    assert passed and vs_single <= TOLERANCE and between == 0.0
+    counts = last_line_matching(r"^1\. all-reduces per micro-batch", result.stdout)
+    assert "8 steps" in counts and counts.endswith("[0, 1] (the same every step)")
+    bf16 = number_after("max |dw|", last_line_matching(r"^2\. bf16", result.stdout))
+    assert 0 < bf16 < 0.05, "bf16 rounds (so it differs), but only a little after 8 steps"
+    clip = last_line_matching(r"^3\. gradient norm", result.stdout)
+    assert number_after("against one process", clip) <= TOLERANCE
+    join = last_line_matching(r"^4\. with Join", result.stdout)
+    assert "steps per rank 8, 6" in join and number_after("between ranks", join) == 0.0
+    for rank in (0, 1):  # without Join, both ranks stop at the group timeout, neither finishes
+        line = last_line_matching(rf"^   rank {rank} after ", result.stdout)
+        assert "Timed out waiting 3000ms" in line and number_after("after", line) >= 3.0
+    assert "gives 128, 128 samples (padded with repeats), with drop_last=True 127, 127" in result.stdout
+
+
+def test_accumulating_without_scaling_the_loss_fails_the_proof():
+    result = run_readme_command(f"python {LAB} --break no-loss-scaling")  # the README's block
+    assert result.returncode == 1, result.stderr[-3000:]
+    passed, vs_single, between = proof(result.stdout)
+    assert not passed and vs_single > 1e-3
+    assert between == 0.0, "the ranks still agree with each other: all took the same wrong step"
+
+
+def test_a_crashed_rank_stops_the_run(lesson):
+    assert_crashed_rank_stops_the_run(lesson, LAB)
+
+
+# --- the lesson copied alone, and its TensorBoard file read back -----------------------------------
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """The lesson copied alone into an empty folder, run as a user runs it, with --log-dir."""
+    folder = tmp_path_factory.mktemp("alone")
+    shutil.copy(REPO / LESSON, folder / "training_loop.py")
+    marker = uuid.uuid4().hex
+    result = run_lesson(folder / "training_loop.py", "--log-dir", "tb", cwd=folder, timeout=90,
+                        marker=marker)
+    assert not kill_leftovers(marker), "the lesson left processes running"
+    return result, folder / "tb"
+
+
+def scalars(folder):
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_the_lesson_copied_alone_runs(alone):
+    result, _ = alone
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "backend: gloo" in result.stdout and "trained 8 steps" in result.stdout
+
+
+def test_rank_0_logs_loss_accuracy_grad_norm_lr_and_every_ranks_loss(prove, alone):
+    found = scalars(alone[1])
+    assert set(found) == {"step/grad_norm", "step/lr", "epoch/loss", "epoch/accuracy",
+                          "epoch/loss_rank0", "epoch/loss_rank1"}
+    assert [s for s, _ in found["step/grad_norm"]] == list(range(1, 9))
+    assert all(v == pytest.approx(0.05) for _, v in found["step/lr"])
+    _, reference_norms = prove.train_reference(2, 2, 2)  # one process, computed here
+    assert [v for _, v in found["step/grad_norm"]] == pytest.approx(reference_norms, abs=1e-5)
+    for epoch in (0, 1):  # equal shares: the mean loss is the mean of the ranks' losses
+        ranks = [found[f"epoch/loss_rank{r}"][epoch][1] for r in (0, 1)]
+        assert found["epoch/loss"][epoch][1] == pytest.approx(sum(ranks) / 2, abs=1e-6)
+        assert ranks[0] != ranks[1], "each rank's own loss, not the mean copied twice"
+    printed = last_line_matching(r"^epoch 1 ", alone[0].stdout)
+    assert number_after("accuracy", printed) == pytest.approx(found["epoch/accuracy"][1][1], abs=1e-3)
+    assert found["epoch/accuracy"][1][1] > found["epoch/accuracy"][0][1], "it learns"
+
+
+# --- in this process: the lesson's worker in a world of one rank ---------------------------------
+
+def run_worker(prove, accumulate=2, precision="fp32", epochs=1, train_step=None):
+    """lesson.worker as rank 0 of 1 here, with the lab's counting DDP; (model, norms, counts)."""
+    lesson, threads = prove.lesson, torch.get_num_threads()
+    counter = prove.Counter()
+    saved = lesson.DDP, lesson.train_step
+    lesson.DDP, lesson.train_step = counter.make_ddp, train_step or lesson.train_step
+    try:
+        model, norms = lesson.worker(0, 1, prove.course.find_free_port(), "gloo", epochs,
+                                     accumulate, precision, None, timeout=30)
+    finally:
+        lesson.DDP, lesson.train_step = saved
+        counter.handle.remove()
+        torch.set_num_threads(threads)
+    assert not dist.is_initialized(), "the worker destroys its process group"
+    return model.state_dict(), norms, counter.steps[:len(norms)]
+
+
+def test_k_micro_batches_equal_one_batch_of_k_and_all_reduce_once(prove):
+    state, norms, counts = run_worker(prove, accumulate=4)
+    reference, reference_norms = prove.train_reference(1, 1, 4)
+    assert prove.course.max_abs_diff(state, reference) <= TOLERANCE
+    assert norms == pytest.approx(reference_norms, abs=TOLERANCE)
+    assert counts == [[0, 0, 0, 1]] * 4, "256 samples = 4 steps of 4 micro-batches of 16"
+
+
+@pytest.mark.parametrize("broken", ["no-loss-scaling", "sync-every-micro-batch"])
+def test_each_break_changes_what_it_claims_to(prove, broken):
+    state, _, counts = run_worker(prove, accumulate=4, train_step=prove.broken_train_step(broken))
+    reference, _ = prove.train_reference(1, 1, 4)
+    if broken == "no-loss-scaling":
+        assert prove.course.max_abs_diff(state, reference) > 1e-3 and counts == [[0, 0, 0, 1]] * 4
+    else:  # the same weights (an all-reduce is linear), but 4 all-reduces a step
+        assert prove.course.max_abs_diff(state, reference) <= TOLERANCE
+        assert counts == [[1, 1, 1, 1]] * 4
+
+
+def test_no_sync_around_backward_only_still_all_reduces(prove):
+    """README mistake 1: DDP reads no_sync's flag in forward(), so it must wrap the forward."""
+    x, y = prove.lesson.make_dataset().tensors
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{prove.course.find_free_port()}",
+                            rank=0, world_size=1)
+    counter = prove.Counter()
+    try:
+        model = counter.make_ddp(prove.lesson.make_model())
+        loss = torch.nn.functional.cross_entropy(model(x[:16]), y[:16])
+        with model.no_sync():  # too late: the forward ran outside
+            loss.backward()
+        with model.no_sync():  # right: forward and backward inside
+            torch.nn.functional.cross_entropy(model(x[16:32]), y[16:32]).backward()
+        assert counter.current == [1, 0], "all-reduces of each backward"
+    finally:
+        counter.handle.remove()
+        model = None
+        dist.destroy_process_group()
+
+
+def test_bf16_autocast_rounds_but_stays_close_to_fp32(prove):
+    fp32, _, _ = run_worker(prove, precision="fp32", epochs=2)
+    bf16, _, _ = run_worker(prove, precision="bf16", epochs=2)
+    assert 1e-5 < prove.course.max_abs_diff(fp32, bf16) < 0.05
+    assert all(v.dtype == torch.float32 for v in bf16.values()), "autocast keeps fp32 weights"
+
+
+def test_fp16_loses_a_small_gradient_that_bf16_keeps(prove):
+    line = prove.precision_facts()
+    assert "1e-08 is 0.0e+00 in fp16" in line and "scale 65536" in line
+    assert re.search(r"1\.0e-08 in bf16", line)
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+def test_help_lists_every_flag(prove, capsys):
+    with pytest.raises(SystemExit) as done:
+        prove.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    assert_help_lists(type("Result", (), {"returncode": done.value.code, "stdout": help_text,
+                                          "stderr": ""}),
+                      ["--world-size", "--epochs", "--accumulate", "--device", "--break",
+                       "no-loss-scaling", "sync-every-micro-batch", "--crash-rank", "--timeout",
+                       "--debugging", "--out-dir"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "1"], "--world-size must be 2 or more"),
+    (["--accumulate", "5"], "leaves under 2 steps an epoch"),
+    (["--epochs", "0"], "must be positive"),
+    (["--crash-rank", "2"], "--crash-rank must be a rank from 0 to 1"),
+])
+def test_bad_input_is_refused_before_any_rank_starts(prove, capsys, argv, message):
+    assert_refused_in_process(prove.main, argv, capsys, message)
