@@ -24,7 +24,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 SERVER = {}  # what the parameter server's process owns; trainers reach it only through RPC
-FORWARD_LOCK = threading.Lock()  # the server answers each RPC in a thread of its own
+FORWARD_LOCK = threading.Lock()  # the server answers RPCs in a pool of threads, at once
 
 
 def make_dataset(samples=256, seed=0):
