@@ -120,6 +120,22 @@ def timed(function, seconds):
     return wrapper
 
 
+def destroy_when_every_rank_is_here(store, world_size, wait=30):
+    """destroy_process_group, once every rank has reached it (counted in a store of its own): the
+    first rank to time out would otherwise close its connections, and a peer still waiting would
+    report "Connection closed by peer" instead of its own timeout."""
+    destroy = dist.destroy_process_group
+
+    def destroy_after_the_others(*args, **kwargs):
+        store.add("here", 1)
+        deadline = time.monotonic() + wait
+        while store.add("here", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        destroy(*args, **kwargs)
+    destroy_after_the_others.original = destroy
+    return destroy_after_the_others
+
+
 def timed_run(run, *args, **kwargs):
     """(what lesson.worker returned or the error it raised, seconds)."""
     start = time.perf_counter()
@@ -166,8 +182,11 @@ def lab_worker(rank, world_size, ports, backend, epochs, accumulate, out_dir, br
         kept["join"] = {"state": dict(joined[0].state_dict()), "steps": len(joined[1])} \
             if isinstance(joined, tuple) else repr(joined)
         lesson.Join = lambda joinables: contextlib.nullcontext()  # the same loop without Join
+        lesson.dist.destroy_process_group = destroy_when_every_rank_is_here(
+            dist.FileStore(os.path.join(out_dir, "hang.store"), world_size), world_size)
         hung, kept["no join seconds"] = timed_run(lesson.worker, rank, world_size, ports[3], *job,
                                                   "fp32", None, timeout=HANG_TIMEOUT)
+        lesson.dist.destroy_process_group = dist.destroy_process_group.original
         kept["no join"] = re.sub(r"^\[[^]]*\] ", "", str(hung).splitlines()[0])[:200] \
             if isinstance(hung, Exception) else "finished"  # less gloo's source file
     except StopIteration:
@@ -200,12 +219,12 @@ def debugging_worker(rank, world_size, port, out_dir):
     said = {}
     try:
         tensor = torch.ones(3)
-        try:  # mistake 1: rank 0 all-reduces while the others broadcast
+        try:  # case 1: rank 0 all-reduces while the others broadcast
             dist.all_reduce(tensor) if rank == 0 else dist.broadcast(tensor, src=0)
             said["mismatch"] = "no error"
         except RuntimeError as e:
             said["mismatch"] = str(e)
-        try:  # mistake 2: the last rank never reaches the barrier
+        try:  # case 2: the last rank never reaches the barrier
             if rank < world_size - 1:
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=2))
                 said["barrier"] = "no error"
@@ -227,15 +246,15 @@ def show_debugging(world_size):
         said = [torch.load(os.path.join(out_dir, f"debug{r}.pt"), weights_only=True)
                 for r in range(world_size)]
     mismatch = said[0]["mismatch"]
-    print("mistake 1, rank 0 all_reduce vs the others' broadcast, under DETAIL, rank 0 says:\n  "
+    print("case 1, rank 0 all_reduce vs the others' broadcast, under DETAIL, rank 0 says:\n  "
           + mismatch.split(" Rank 0 is running")[0] + "\n  ... "
           + mismatch[mismatch.find("Collectives differ"):].strip())
-    print(f"mistake 2, rank {world_size - 1} never reaches monitored_barrier, rank 0 says:\n  "
+    print(f"case 2, rank {world_size - 1} never reaches monitored_barrier, rank 0 says:\n  "
           + said[0]["barrier"].splitlines()[0])
     env = dict(os.environ, TORCH_DISTRIBUTED_DEBUG="DETAIL")
     ddp = subprocess.run([sys.executable, "-c", DDP_UNDER_DETAIL % course.find_free_port()],
                          env=env, capture_output=True, text=True, timeout=120)
-    print(f"mistake 3, DDP built under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo: exit code "
+    print(f"case 3, DDP built under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo: exit code "
           f"{ddp.returncode}" + (" (SIGSEGV: a segmentation fault)" if ddp.returncode == -11 else
                                  f", {ddp.stdout.strip()}"))
     named = "Op type: ALLREDUCE" in mismatch and f"Rank {world_size - 1} failed to pass " \

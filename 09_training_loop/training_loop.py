@@ -61,7 +61,7 @@ def train(model, loader, optimizer, epochs, accumulate, precision, max_norm, wri
         loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         totals = torch.zeros(3)
         with Join([model]):  # a rank out of batches answers the others' all-reduces with zeros
-            for batches in zip(*[iter(loader)] * accumulate):  # K at a time, a short tail left
+            for batches in zip(*[iter(loader)] * accumulate):  # K at a time; a tail is dropped
                 sums, norm = train_step(model, batches, optimizer, precision, max_norm, device)
                 totals += sums
                 norms.append(norm)
@@ -83,7 +83,6 @@ def train(model, loader, optimizer, epochs, accumulate, precision, max_norm, wri
 
 
 def choose_backend(world_size):
-    """NCCL with one process per GPU when there are enough GPUs, else gloo on CPU; and why."""
     gpus = torch.cuda.device_count()
     if gpus >= world_size:
         return "nccl", f"{gpus} GPU(s) visible, one per rank"
@@ -109,17 +108,18 @@ def worker(rank, world_size, port, backend, epochs, accumulate, precision, log_d
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if device.type == "cuda" else None)
-    writer = SummaryWriter(log_dir) if rank == 0 and log_dir else None
+    writer = None
     try:  # timeout: gloo raises in a stuck collective; NCCL's watchdog aborts the process
+        writer = SummaryWriter(log_dir) if rank == 0 and log_dir else None
         dataset = make_dataset()
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=0)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                            generator=torch.Generator().manual_seed(0), drop_last=True)
+                            generator=torch.Generator().manual_seed(0), drop_last=True)  # B each
         model = DDP(make_model().to(device), device_ids=[device] if device.type == "cuda" else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         start = time.perf_counter()
-        norms = train(model, loader, optimizer, epochs, accumulate, precision, max_norm, writer,
-                      device)
+        norms = train(model, loader, optimizer, epochs, accumulate, precision, max_norm,
+                      writer, device)
         if rank == 0:
             print(f"trained {len(norms)} steps in {time.perf_counter() - start:.1f} s", flush=True)
         return model.module, norms
