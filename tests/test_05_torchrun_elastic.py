@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import (load_script, REPO, assert_clear_usage_error, assert_crashed_rank_stops_the_run, assert_help_lists,
+from conftest import (load_script, REPO, assert_crashed_rank_stops_the_run, assert_refused_in_process,
                       last_line_matching, number_after, run_readme_command)
 
 LAB = "05_torchrun_elastic/prove.py"
@@ -59,15 +59,20 @@ def test_a_crashed_rank_stops_the_run(lesson):
     assert_crashed_rank_stops_the_run(lesson, LAB, rank=1)
 
 
-def test_help_lists_the_flags_and_hides_the_worker_role(lesson):
-    result = lesson.run(LAB, "--help", timeout=60)
-    assert_help_lists(result, ["--epochs", "--break", "no-rng-restore", "plain-init", "crash-every-attempt",
-                               "--crash-rank", "--timeout", "--out-dir"])
-    assert "--as-torchrun-worker" not in result.stdout
+def test_help_lists_the_flags_and_hides_the_worker_role(lab, capsys):
+    """In-process: the lab's own parser (a subprocess would only add an interpreter's start-up)."""
+    with pytest.raises(SystemExit) as exit_:
+        lab.parse_args(["--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    for flag in ["--epochs", "--break", "no-rng-restore", "plain-init", "crash-every-attempt",
+                 "--crash-rank", "--timeout", "--out-dir"]:
+        assert flag in shown, f"--help does not list {flag}"
+    assert "--as-torchrun-worker" not in shown
 
 
-def test_bad_input_is_one_clear_line(lesson):
-    assert_clear_usage_error(lesson.run(LAB, "--epochs", "0", timeout=60), "--epochs and --timeout must be positive")
+def test_bad_input_is_one_clear_line(lab, capsys):
+    assert_refused_in_process(lab.parse_args, ["--epochs", "0"], capsys, "--epochs and --timeout must be positive")
 
 
 @pytest.mark.parametrize("args, message", [
