@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import (assert_refused_in_process,
-                      load_script, REPO, assert_clear_usage_error, last_line_matching, number_after, run_readme_command)
+                      load_script, REPO, last_line_matching, number_after, run_readme_command)
 
 LAB = "00_single_process/prove.py"
 LESSON = "00_single_process/single_process.py"
@@ -76,8 +76,8 @@ def test_an_unseeded_model_fails_the_proof(lesson):
     assert not passed and at_start > 1e-3 and at_end > 1e-3, line
 
 
-def test_impossible_input_is_refused_before_any_process_starts(lesson):
-    assert_clear_usage_error(lesson.run(LAB, "--epochs", 1), "--epochs must be 2 or more")
+def test_impossible_input_is_refused_before_any_process_starts(prove, capsys):
+    assert_refused_in_process(prove.main, ["--epochs", "1"], capsys, "--epochs must be 2 or more")
 
 
 # --- the lesson alone ----------------------------------------------------------------------------

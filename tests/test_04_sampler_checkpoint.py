@@ -11,7 +11,6 @@ import hashlib
 import io
 import os
 import shutil
-import subprocess
 import types
 
 import pytest
