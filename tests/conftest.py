@@ -159,6 +159,18 @@ def assert_clear_usage_error(result, message):
     assert "Traceback" not in result.stderr
 
 
+def assert_help_in_process(parse_args, flags, capsys):
+    """parse_args(["--help"]) (a lab's parser) exits 0 and its text names every flag; in-process, so
+    no interpreter has to start. Returns the help text."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    missing = [flag for flag in flags if flag not in shown]
+    assert not missing, f"--help does not mention {missing}"
+    return shown
+
+
 def assert_refused_in_process(function, argv, capsys, message):
     """function(argv) (a lab's parse_args or main) refuses: SystemExit 2, the message on stderr, no
     traceback; in-process, so no interpreter has to start. Returns stderr."""

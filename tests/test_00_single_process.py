@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import (assert_refused_in_process,
+from conftest import (assert_help_in_process, assert_refused_in_process,
                       load_script, REPO, last_line_matching, number_after, run_readme_command)
 
 LAB = "00_single_process/prove.py"
@@ -167,10 +167,6 @@ def test_impossible_choices_are_refused(prove, capsys, args, message):
 
 
 def test_help_names_every_flag_and_break_and_why_there_is_no_crash_rank(prove, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        prove.parse_args(["--help"])
-    assert exit_.value.code == 0
-    shown = capsys.readouterr().out
-    for flag in ("--epochs", "--batch-size", "--lr", "--break", *prove.BREAKS):
-        assert flag in shown, f"--help does not mention {flag}"
+    shown = assert_help_in_process(prove.parse_args, ["--epochs", "--batch-size", "--lr", "--break",
+                                                      *prove.BREAKS], capsys)
     assert "no --crash-rank" in shown

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from conftest import (load_script, REPO, assert_crashed_rank_stops_the_run, assert_refused_in_process,
-                      last_line_matching, number_after, run_readme_command)
+from conftest import (REPO, assert_crashed_rank_stops_the_run, assert_help_in_process, assert_refused_in_process,
+                      last_line_matching, load_script, number_after, run_readme_command)
 
 LAB = "05_torchrun_elastic/prove.py"
 SCRIPT = REPO / "05_torchrun_elastic" / "torchrun_elastic.py"
@@ -61,13 +61,9 @@ def test_a_crashed_rank_stops_the_run(lesson):
 
 def test_help_lists_the_flags_and_hides_the_worker_role(lab, capsys):
     """In-process: the lab's own parser (a subprocess would only add an interpreter's start-up)."""
-    with pytest.raises(SystemExit) as exit_:
-        lab.parse_args(["--help"])
-    assert exit_.value.code == 0
-    shown = capsys.readouterr().out
-    for flag in ["--epochs", "--break", "no-rng-restore", "plain-init", "crash-every-attempt",
-                 "--crash-rank", "--timeout", "--out-dir"]:
-        assert flag in shown, f"--help does not list {flag}"
+    shown = assert_help_in_process(lab.parse_args, ["--epochs", "--break", "no-rng-restore", "plain-init",
+                                                    "crash-every-attempt", "--crash-rank", "--timeout", "--out-dir"],
+                                   capsys)
     assert "--as-torchrun-worker" not in shown
 
 
