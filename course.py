@@ -8,6 +8,7 @@ script stays self-contained, so a reader can copy it alone.
     refuse(message)                   one line on stderr, exit 2: a guard rail, no traceback
     add_break_flag, add_device_flag, add_timeout_flag: the flags every lab spells the same way
     crash_at_step(rank, step)         --crash-rank: this rank raises after its step-th optimizer step
+    refuse_bad_crash_rank(r, ranks)   --crash-rank's guard rails: a rank that exists, a step 2 to reach
     hardware()                        the CPU/GPU, cores and torch version that timings ran on
     load_lesson(path)                 another lesson's script as a module: a lab's reference
 """
@@ -99,6 +100,17 @@ def spawn_or_fail(fn, args, nprocs):
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         print(f"\nRUN FAILED: a rank stopped with an error, so every rank was stopped.\n{e}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def refuse_bad_crash_rank(crash_rank, ranks, steps=None):
+    """--crash-rank's guard rails: a rank that exists, and (when `steps` is given) a run long enough
+    to reach step 2, where crash_at_step raises. Nothing to check without --crash-rank."""
+    if crash_rank is None:
+        return
+    if not 0 <= crash_rank < ranks:
+        refuse(f"--crash-rank must be a rank from 0 to {ranks - 1}")
+    if steps is not None and steps < 2:
+        refuse(f"--crash-rank crashes at step 2, but this run has {steps} step(s)")
 
 
 def crash_at_step(rank, step):

@@ -148,12 +148,8 @@ def parse_args(argv=None):
         course.refuse("--world-size, --epochs, --batch-size, --lr and --timeout must be positive")
     if args.broken == "no-sync" and args.world_size < 2:
         course.refuse("--break no-sync needs --world-size 2 or more: one rank has nothing to average")
-    if args.crash_rank is not None:
-        steps = steps_per_rank(args.world_size, args.epochs, args.batch_size)
-        if not 0 <= args.crash_rank < args.world_size:
-            course.refuse(f"--crash-rank must be a rank from 0 to {args.world_size - 1}")
-        if steps < 2:
-            course.refuse(f"--crash-rank crashes at step 2, but this run has {steps} step(s)")
+    course.refuse_bad_crash_rank(args.crash_rank, args.world_size,
+                                 steps_per_rank(args.world_size, args.epochs, args.batch_size))
     return args
 
 

@@ -182,10 +182,8 @@ def parse_args(argv=None):
     if args.microbatches < 2 or batch % args.microbatches:
         course.refuse(f"--microbatches must be at least 2 (Schedule1F1B needs one per stage) and split "
                       f"the pipeline's batch of {batch} into equal micro-batches")
+    course.refuse_bad_crash_rank(args.crash_rank, max(args.world_size, 2))
     if args.crash_rank is not None:
-        ranks = max(args.world_size, 2)
-        if not 0 <= args.crash_rank < ranks:
-            course.refuse(f"--crash-rank must be a rank from 0 to {ranks - 1}")
         ddp, pipeline = steps_per_rank(args.world_size, args.epochs, args.batch_size)
         steps = (ddp if args.crash_rank < args.world_size else 0) + 2 * pipeline * (args.crash_rank < 2)
         if steps < 2:

@@ -257,8 +257,7 @@ def parse_args(argv=None):
         course.refuse(f"{args.epochs} epoch(s) of {steps_per_epoch(args.world_size)} steps leave no "
                       f"checkpoint (every {EVERY} steps) after the first evaluation in the middle of "
                       "an epoch to resume from: use more --epochs")
-    if args.crash_rank is not None and not 0 <= args.crash_rank < args.world_size:
-        course.refuse(f"--crash-rank must be a rank from 0 to {args.world_size - 1}")
+    course.refuse_bad_crash_rank(args.crash_rank, args.world_size)
     return args
 
 

@@ -263,8 +263,7 @@ def parse_args(argv=None):
         return args
     if args.epochs < 1 or args.timeout <= 0:
         course.refuse("--epochs and --timeout must be positive")
-    if args.crash_rank is not None and not 0 <= args.crash_rank < WORLD:
-        course.refuse(f"--crash-rank must be a rank from 0 to {WORLD - 1}")
+    course.refuse_bad_crash_rank(args.crash_rank, WORLD)
     if args.crash_rank is not None and args.broken:
         course.refuse("--crash-rank runs one launch that must stop; it takes no --break")
     if args.out_dir and os.path.exists(args.out_dir) and (

@@ -379,12 +379,8 @@ def parse_args(argv=None):
                       "average")
     if args.broken == "ring-skips-a-step" and max(args.ring_world_sizes) < 2:
         course.refuse("--break ring-skips-a-step needs a ring of 2 ranks or more")
-    if args.crash_rank is not None:
-        steps = steps_per_rank(args.world_size, args.epochs, args.batch_size)
-        if not 0 <= args.crash_rank < args.world_size:
-            course.refuse(f"--crash-rank must be a rank from 0 to {args.world_size - 1}")
-        if steps < 2:
-            course.refuse(f"--crash-rank crashes at step 2, but this run has {steps} step(s)")
+    course.refuse_bad_crash_rank(args.crash_rank, args.world_size,
+                                 steps_per_rank(args.world_size, args.epochs, args.batch_size))
     return args
 
 

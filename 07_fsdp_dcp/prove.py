@@ -242,8 +242,7 @@ def parse_args(argv=None):
                                                           or os.listdir(args.out_dir)):
         course.refuse(f"--out-dir {args.out_dir} is not an empty folder: the lesson would resume "
                       "from what is in it")
-    if args.crash_rank is not None and not 0 <= args.crash_rank < args.world_size:
-        course.refuse(f"--crash-rank must be a rank from 0 to {args.world_size - 1}")
+    course.refuse_bad_crash_rank(args.crash_rank, args.world_size)
     return args
 
 

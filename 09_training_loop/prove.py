@@ -327,8 +327,7 @@ def parse_args(argv=None):
     if per_rank // args.accumulate < 2:
         course.refuse(f"--accumulate {args.accumulate} leaves under 2 steps an epoch on "
                       f"{args.world_size} ranks ({per_rank} micro-batches of {BATCH} each)")
-    if args.crash_rank is not None and not 0 <= args.crash_rank < args.world_size:
-        course.refuse(f"--crash-rank must be a rank from 0 to {args.world_size - 1}")
+    course.refuse_bad_crash_rank(args.crash_rank, args.world_size)
     return args
 
 
