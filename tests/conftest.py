@@ -91,6 +91,18 @@ def pytest_sessionfinish(session):
         shutil.rmtree(shared_cache_dir(os.getpid()), ignore_errors=True)
 
 
+def run_once_per_session(name):
+    """Fails the test if `name` (an expensive module fixture, such as the lesson copied alone) has
+    already run in this test session: its tests were split between xdist workers, so it ran twice
+    (conftest.py at the repository root keeps a test class on one worker)."""
+    mark = shared_cache_dir() / f"once-{name}"
+    try:
+        mark.open("x").close()
+    except FileExistsError:
+        pytest.fail(f"{name} ran a second time in this session: the tests that share it were split "
+                    "between test workers (keep them in one class)", pytrace=False)
+
+
 @functools.lru_cache(maxsize=None)
 def run_readme_command(command):
     """A README command (`python NN_x/prove.py ...`, `torchrun ...`), run ONCE per test session from

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from conftest import (assert_help_in_process, assert_refused_in_process,
                       REPO, assert_crashed_rank_stops_the_run, kill_leftovers, last_line_matching,
-                      load_script, number_after, run_lesson, run_readme_command)
+                      load_script, number_after, run_lesson, run_once_per_session,
+                      run_readme_command)
 
 LAB = "07_fsdp_dcp/prove.py"
 LESSON = "07_fsdp_dcp/fsdp_dcp.py"
@@ -77,6 +78,7 @@ def test_a_crashed_rank_stops_the_run(lesson):
 def alone(tmp_path_factory):
     """The lesson copied alone into an empty folder, run as a user runs it: 2 ranks, 2 epochs.
     Its checkpoints (saved by 2 ranks) are what the in-process tests below load and damage."""
+    run_once_per_session("test_07_fsdp_dcp.alone")
     folder = tmp_path_factory.mktemp("alone")
     shutil.copy(REPO / LESSON, folder / "fsdp_dcp.py")
     marker = uuid.uuid4().hex
@@ -84,15 +86,6 @@ def alone(tmp_path_factory):
                         timeout=90, marker=marker)
     assert not kill_leftovers(marker), "the lesson left processes running"
     return result, folder / "ckpt_fsdp"
-
-
-def test_the_lesson_copied_alone_runs_and_saves_a_checkpoint_per_epoch(alone):
-    result, ckpt = alone
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "no checkpoint in ckpt_fsdp: from epoch 0" in result.stdout
-    assert "saved ckpt_fsdp/epoch0001" in result.stdout and "saved ckpt_fsdp/epoch0002" in result.stdout
-    assert sorted(os.listdir(ckpt)) == ["epoch0001", "epoch0002"], "no .tmp left behind"
-    assert sorted(os.listdir(ckpt / "epoch0001")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
 def saved_state(path, tmp_path):
@@ -121,104 +114,110 @@ def run_worker(prove, folder, epochs, resume=None, load=None):
     return kept
 
 
-def test_two_ranks_trained_like_one_process(prove, alone, tmp_path):
-    state, epoch = saved_state(alone[1] / "epoch0002", tmp_path)
-    assert epoch == 2
-    assert prove.course.max_abs_diff(prove.weights(state), prove.train_reference([2, 2], 16, 0.05)) \
-        <= TOLERANCE
+class TestTheLessonCopiedAlone:
+    """The tests that read the one run of the lesson copied alone (the `alone` fixture): a
+    class, so that pytest-xdist keeps them on one worker (conftest.py) and the lesson runs once."""
 
+    def test_the_lesson_copied_alone_runs_and_saves_a_checkpoint_per_epoch(self, alone):
+        result, ckpt = alone
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "no checkpoint in ckpt_fsdp: from epoch 0" in result.stdout
+        assert "saved ckpt_fsdp/epoch0001" in result.stdout and "saved ckpt_fsdp/epoch0002" in result.stdout
+        assert sorted(os.listdir(ckpt)) == ["epoch0001", "epoch0002"], "no .tmp left behind"
+        assert sorted(os.listdir(ckpt / "epoch0001")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
-def test_what_two_ranks_saved_loads_on_one_rank_exactly_and_trains_on(prove, alone, tmp_path):
-    shutil.copytree(alone[1] / "epoch0001", tmp_path / "run" / "epoch0001")
-    kept = run_worker(prove, tmp_path / "run", epochs=2, resume=tmp_path / "run" / "epoch0001")
-    state, epoch = saved_state(alone[1] / "epoch0001", tmp_path)
-    assert epoch == 1 and set(kept["loaded"]) == set(state) and len(state) == 8
-    assert prove.course.max_abs_diff(kept["loaded"], state) == 0.0, "every weight and momentum value"
-    reference = prove.train_reference([2, 1], 16, 0.05)  # epoch 0 on 2 ranks, epoch 1 on 1
-    assert prove.course.max_abs_diff(prove.weights(kept["trained"]), reference) <= TOLERANCE
-    assert sorted(os.listdir(tmp_path / "run" / "epoch0002")) == [".metadata", "__0_0.distcp"]
+    def test_two_ranks_trained_like_one_process(self, prove, alone, tmp_path):
+        state, epoch = saved_state(alone[1] / "epoch0002", tmp_path)
+        assert epoch == 2
+        assert prove.course.max_abs_diff(prove.weights(state), prove.train_reference([2, 2], 16, 0.05)) \
+            <= TOLERANCE
 
+    def test_what_two_ranks_saved_loads_on_one_rank_exactly_and_trains_on(self, prove, alone, tmp_path):
+        shutil.copytree(alone[1] / "epoch0001", tmp_path / "run" / "epoch0001")
+        kept = run_worker(prove, tmp_path / "run", epochs=2, resume=tmp_path / "run" / "epoch0001")
+        state, epoch = saved_state(alone[1] / "epoch0001", tmp_path)
+        assert epoch == 1 and set(kept["loaded"]) == set(state) and len(state) == 8
+        assert prove.course.max_abs_diff(kept["loaded"], state) == 0.0, "every weight and momentum value"
+        reference = prove.train_reference([2, 1], 16, 0.05)  # epoch 0 on 2 ranks, epoch 1 on 1
+        assert prove.course.max_abs_diff(prove.weights(kept["trained"]), reference) <= TOLERANCE
+        assert sorted(os.listdir(tmp_path / "run" / "epoch0002")) == [".metadata", "__0_0.distcp"]
 
-def test_the_model_only_break_loses_the_momentum(prove, alone, tmp_path, monkeypatch):
-    """The lab's own rank function, as a resumed run of one rank, in this process: under
-    --break model-only-checkpoint the weights come back, the momentum does not."""
-    for name in ("train", "save_checkpoint", "load_checkpoint"):  # lab_worker wraps them: undo
-        monkeypatch.setattr(prove.lesson, name, getattr(prove.lesson, name))
-    monkeypatch.chdir(tmp_path)  # lab_worker changes into its folder
-    shutil.copytree(alone[1] / "epoch0001", tmp_path / "on1" / "epoch0001")
-    job = dict(rank=0, world_size=1, port=prove.course.find_free_port(), folder="on1",
-               resume=os.path.join("on1", "epoch0001"), ddp_port=None)
-    threads = torch.get_num_threads()
-    try:
-        prove.lab_worker(0, [job], "gloo", 2, 16, 0.05, str(tmp_path), "model-only-checkpoint",
-                         None, 30)
-    finally:
-        torch.set_num_threads(threads)
-    loaded = torch.load(tmp_path / "on1.pt", map_location="cpu", weights_only=True)["loaded"]
-    saved, _ = saved_state(alone[1] / "epoch0001", tmp_path)
-    assert all(torch.equal(loaded[k], saved[k]) for k in prove.weights(saved)), "weights: yes"
-    momentum = [k for k in saved if k.endswith(".momentum")]
-    assert momentum and all(saved[k].abs().max() > 0 and loaded[k].abs().max() == 0 for k in momentum)
+    def test_the_model_only_break_loses_the_momentum(self, prove, alone, tmp_path, monkeypatch):
+        """The lab's own rank function, as a resumed run of one rank, in this process: under
+        --break model-only-checkpoint the weights come back, the momentum does not."""
+        for name in ("train", "save_checkpoint", "load_checkpoint"):  # lab_worker wraps them: undo
+            monkeypatch.setattr(prove.lesson, name, getattr(prove.lesson, name))
+        monkeypatch.chdir(tmp_path)  # lab_worker changes into its folder
+        shutil.copytree(alone[1] / "epoch0001", tmp_path / "on1" / "epoch0001")
+        job = dict(rank=0, world_size=1, port=prove.course.find_free_port(), folder="on1",
+                   resume=os.path.join("on1", "epoch0001"), ddp_port=None)
+        threads = torch.get_num_threads()
+        try:
+            prove.lab_worker(0, [job], "gloo", 2, 16, 0.05, str(tmp_path), "model-only-checkpoint",
+                             None, 30)
+        finally:
+            torch.set_num_threads(threads)
+        loaded = torch.load(tmp_path / "on1.pt", map_location="cpu", weights_only=True)["loaded"]
+        saved, _ = saved_state(alone[1] / "epoch0001", tmp_path)
+        assert all(torch.equal(loaded[k], saved[k]) for k in prove.weights(saved)), "weights: yes"
+        momentum = [k for k in saved if k.endswith(".momentum")]
+        assert momentum and all(saved[k].abs().max() > 0 and loaded[k].abs().max() == 0 for k in momentum)
 
+    @pytest.mark.parametrize("damage, message", [
+        ("remove .metadata", "No such file or directory"),
+        ("garble .metadata", "is not a complete DCP checkpoint"),
+        ("remove a shard", "__1_0.distcp"),
+        ("truncate a shard", "__1_0.distcp is truncated"),
+    ])
+    def test_a_damaged_checkpoint_stops_the_run_with_one_line_and_changes_nothing(self, 
+            prove, alone, tmp_path, monkeypatch, damage, message):
+        ckpt = tmp_path / "run"
+        shutil.copytree(alone[1], ckpt)
+        newest = ckpt / "epoch0002"
+        if damage == "remove .metadata":
+            os.remove(newest / ".metadata")
+        elif damage == "garble .metadata":
+            (newest / ".metadata").write_bytes(b"not a pickle")
+        elif damage == "remove a shard":
+            os.remove(newest / "__1_0.distcp")
+        else:
+            with open(newest / "__1_0.distcp", "r+b") as f:
+                f.truncate(100)
+        shutil.copytree(ckpt, tmp_path / "before")
+        monkeypatch.setattr(prove.lesson.mp, "spawn", lambda *a, **k: pytest.fail("a rank started"))
+        with pytest.raises(SystemExit) as exit_:
+            prove.lesson.main(world_size=1, epochs=3, folder=str(ckpt))
+        text = str(exit_.value.code)
+        assert "epoch0002 is not a complete DCP checkpoint" in text and message in text
+        assert "\n" not in text, "one line"
+        same = filecmp.dircmp(ckpt, tmp_path / "before")
+        assert not (same.left_only or same.right_only or same.diff_files), "nothing changed"
+        assert sorted(os.listdir(newest)) == sorted(os.listdir(tmp_path / "before" / "epoch0002"))
 
-@pytest.mark.parametrize("damage, message", [
-    ("remove .metadata", "No such file or directory"),
-    ("garble .metadata", "is not a complete DCP checkpoint"),
-    ("remove a shard", "__1_0.distcp"),
-    ("truncate a shard", "__1_0.distcp is truncated"),
-])
-def test_a_damaged_checkpoint_stops_the_run_with_one_line_and_changes_nothing(
-        prove, alone, tmp_path, monkeypatch, damage, message):
-    ckpt = tmp_path / "run"
-    shutil.copytree(alone[1], ckpt)
-    newest = ckpt / "epoch0002"
-    if damage == "remove .metadata":
-        os.remove(newest / ".metadata")
-    elif damage == "garble .metadata":
-        (newest / ".metadata").write_bytes(b"not a pickle")
-    elif damage == "remove a shard":
-        os.remove(newest / "__1_0.distcp")
-    else:
-        with open(newest / "__1_0.distcp", "r+b") as f:
-            f.truncate(100)
-    shutil.copytree(ckpt, tmp_path / "before")
-    monkeypatch.setattr(prove.lesson.mp, "spawn", lambda *a, **k: pytest.fail("a rank started"))
-    with pytest.raises(SystemExit) as exit_:
-        prove.lesson.main(world_size=1, epochs=3, folder=str(ckpt))
-    text = str(exit_.value.code)
-    assert "epoch0002 is not a complete DCP checkpoint" in text and message in text
-    assert "\n" not in text, "one line"
-    same = filecmp.dircmp(ckpt, tmp_path / "before")
-    assert not (same.left_only or same.right_only or same.diff_files), "nothing changed"
-    assert sorted(os.listdir(newest)) == sorted(os.listdir(tmp_path / "before" / "epoch0002"))
+    def test_an_unfinished_save_is_not_a_checkpoint(self, prove, alone, tmp_path):
+        """A crash mid-save leaves epochNNNN.tmp (renamed only once complete): never loaded."""
+        shutil.copytree(alone[1] / "epoch0001", tmp_path / "epoch0001")
+        shutil.copytree(alone[1] / "epoch0002", tmp_path / "epoch0002.tmp")
+        os.remove(tmp_path / "epoch0002.tmp" / ".metadata")
+        assert prove.lesson.find_checkpoint(str(tmp_path)) == str(tmp_path / "epoch0001")
+        assert prove.lesson.find_checkpoint(str(alone[1])) == str(alone[1] / "epoch0002"), "the newest"
+        assert prove.lesson.find_checkpoint(str(tmp_path / "nothing here")) is None
 
-
-def test_an_unfinished_save_is_not_a_checkpoint(prove, alone, tmp_path):
-    """A crash mid-save leaves epochNNNN.tmp (renamed only once complete): never loaded."""
-    shutil.copytree(alone[1] / "epoch0001", tmp_path / "epoch0001")
-    shutil.copytree(alone[1] / "epoch0002", tmp_path / "epoch0002.tmp")
-    os.remove(tmp_path / "epoch0002.tmp" / ".metadata")
-    assert prove.lesson.find_checkpoint(str(tmp_path)) == str(tmp_path / "epoch0001")
-    assert prove.lesson.find_checkpoint(str(alone[1])) == str(alone[1] / "epoch0002"), "the newest"
-    assert prove.lesson.find_checkpoint(str(tmp_path / "nothing here")) is None
-
-
-
-def test_a_crashed_saves_tmp_folder_is_removed_before_any_rank_starts(prove, alone, tmp_path,
-                                                                      monkeypatch, capsys):
-    """main() clears every epochNNNN.tmp, so that a later save cannot rename a crashed one's stray
-    files in with its own; the complete checkpoints stay, and the newest is resumed."""
-    shutil.copytree(alone[1] / "epoch0001", tmp_path / "epoch0001")
-    shutil.copytree(alone[1] / "epoch0001", tmp_path / "epoch0002.tmp")  # a save that crashed
-    (tmp_path / "epoch0002.tmp" / "__2_0.distcp").write_bytes(b"a larger world's shard")
-    before = {p.name: p.read_bytes() for p in (tmp_path / "epoch0001").iterdir()}
-    started = []
-    monkeypatch.setattr(prove.lesson.mp, "spawn", lambda worker, args, **kw: started.append(args))
-    prove.lesson.main(world_size=2, epochs=3, folder=str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["epoch0001"], "the unfinished save is gone"
-    assert {p.name: p.read_bytes() for p in (tmp_path / "epoch0001").iterdir()} == before
-    assert started and started[0][-1] == str(tmp_path / "epoch0001"), "ranks resume the newest"
-    assert f"resuming from {tmp_path / 'epoch0001'}" in capsys.readouterr().out
+    def test_a_crashed_saves_tmp_folder_is_removed_before_any_rank_starts(self, prove, alone, tmp_path,
+                                                                          monkeypatch, capsys):
+        """main() clears every epochNNNN.tmp, so that a later save cannot rename a crashed one's stray
+        files in with its own; the complete checkpoints stay, and the newest is resumed."""
+        shutil.copytree(alone[1] / "epoch0001", tmp_path / "epoch0001")
+        shutil.copytree(alone[1] / "epoch0001", tmp_path / "epoch0002.tmp")  # a save that crashed
+        (tmp_path / "epoch0002.tmp" / "__2_0.distcp").write_bytes(b"a larger world's shard")
+        before = {p.name: p.read_bytes() for p in (tmp_path / "epoch0001").iterdir()}
+        started = []
+        monkeypatch.setattr(prove.lesson.mp, "spawn", lambda worker, args, **kw: started.append(args))
+        prove.lesson.main(world_size=2, epochs=3, folder=str(tmp_path))
+        assert sorted(os.listdir(tmp_path)) == ["epoch0001"], "the unfinished save is gone"
+        assert {p.name: p.read_bytes() for p in (tmp_path / "epoch0001").iterdir()} == before
+        assert started and started[0][-1] == str(tmp_path / "epoch0001"), "ranks resume the newest"
+        assert f"resuming from {tmp_path / 'epoch0001'}" in capsys.readouterr().out
 
 # --- the lab's reference, in-process -------------------------------------------------------------
 

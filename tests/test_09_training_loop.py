@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import (REPO, assert_crashed_rank_stops_the_run, assert_help_in_process, assert_refused_in_process,
-                      kill_leftovers, last_line_matching, load_script, number_after, run_lesson,
-                      run_readme_command)
+from conftest import (REPO, assert_crashed_rank_stops_the_run, assert_help_in_process,
+                      assert_refused_in_process, kill_leftovers, last_line_matching, load_script,
+                      number_after, run_lesson, run_once_per_session, run_readme_command)
 
 LAB = "09_training_loop/prove.py"
 LESSON = "09_training_loop/training_loop.py"
@@ -77,6 +77,7 @@ def test_a_crashed_rank_stops_the_run(lesson):
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory):
     """The lesson copied alone into an empty folder, run as a user runs it, with --log-dir."""
+    run_once_per_session("test_09_training_loop.alone")
     folder = tmp_path_factory.mktemp("alone")
     shutil.copy(REPO / LESSON, folder / "training_loop.py")
     marker = uuid.uuid4().hex
@@ -92,27 +93,30 @@ def scalars(folder):
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def test_the_lesson_copied_alone_runs(alone):
-    result, _ = alone
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "backend: gloo" in result.stdout and "trained 8 steps" in result.stdout
+class TestTheLessonCopiedAlone:
+    """The tests that read the one run of the lesson copied alone (the `alone` fixture): a
+    class, so that pytest-xdist keeps them on one worker (conftest.py) and the lesson runs once."""
 
+    def test_the_lesson_copied_alone_runs(self, alone):
+        result, _ = alone
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "backend: gloo" in result.stdout and "trained 8 steps" in result.stdout
 
-def test_rank_0_logs_loss_accuracy_grad_norm_lr_and_every_ranks_loss(prove, alone):
-    found = scalars(alone[1])
-    assert set(found) == {"step/grad_norm", "step/lr", "epoch/loss", "epoch/accuracy",
-                          "epoch/loss_rank0", "epoch/loss_rank1"}
-    assert [s for s, _ in found["step/grad_norm"]] == list(range(1, 9))
-    assert all(v == pytest.approx(0.05) for _, v in found["step/lr"])
-    _, reference_norms = prove.train_reference(2, 2, 2)  # one process, computed here
-    assert [v for _, v in found["step/grad_norm"]] == pytest.approx(reference_norms, abs=1e-5)
-    for epoch in (0, 1):  # equal shares: the mean loss is the mean of the ranks' losses
-        ranks = [found[f"epoch/loss_rank{r}"][epoch][1] for r in (0, 1)]
-        assert found["epoch/loss"][epoch][1] == pytest.approx(sum(ranks) / 2, abs=1e-6)
-        assert ranks[0] != ranks[1], "each rank's own loss, not the mean copied twice"
-    printed = last_line_matching(r"^epoch 1 ", alone[0].stdout)
-    assert number_after("accuracy", printed) == pytest.approx(found["epoch/accuracy"][1][1], abs=1e-3)
-    assert found["epoch/accuracy"][1][1] > found["epoch/accuracy"][0][1], "it learns"
+    def test_rank_0_logs_loss_accuracy_grad_norm_lr_and_every_ranks_loss(self, prove, alone):
+        found = scalars(alone[1])
+        assert set(found) == {"step/grad_norm", "step/lr", "epoch/loss", "epoch/accuracy",
+                              "epoch/loss_rank0", "epoch/loss_rank1"}
+        assert [s for s, _ in found["step/grad_norm"]] == list(range(1, 9))
+        assert all(v == pytest.approx(0.05) for _, v in found["step/lr"])
+        _, reference_norms = prove.train_reference(2, 2, 2)  # one process, computed here
+        assert [v for _, v in found["step/grad_norm"]] == pytest.approx(reference_norms, abs=1e-5)
+        for epoch in (0, 1):  # equal shares: the mean loss is the mean of the ranks' losses
+            ranks = [found[f"epoch/loss_rank{r}"][epoch][1] for r in (0, 1)]
+            assert found["epoch/loss"][epoch][1] == pytest.approx(sum(ranks) / 2, abs=1e-6)
+            assert ranks[0] != ranks[1], "each rank's own loss, not the mean copied twice"
+        printed = last_line_matching(r"^epoch 1 ", alone[0].stdout)
+        assert number_after("accuracy", printed) == pytest.approx(found["epoch/accuracy"][1][1], abs=1e-3)
+        assert found["epoch/accuracy"][1][1] > found["epoch/accuracy"][0][1], "it learns"
 
 
 # --- in this process: the lesson's worker in a world of one rank ---------------------------------
