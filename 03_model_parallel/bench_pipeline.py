@@ -86,7 +86,9 @@ def resolve(events, origin):
 
 def naive_step(rank, module, x, y, events):
     """The split across two processes, by hand: activations go forward, their gradients come back.
-    batch_isend_irecv (P2POp) instead of send/recv: the form NCCL needs, and it works on gloo."""
+    One P2POp per batch_isend_irecv call: plain send/recv would work as well, on NCCL as on gloo.
+    A batch matters when a rank posts several ops at once (a send and a recv that would each block:
+    lesson 06's ring); their order then cannot deadlock, and NCCL runs them as one group."""
     if rank == 0:
         h = timed(events, "F", 0, module, x)
         grad_h = torch.empty_like(h)
