@@ -346,18 +346,22 @@ def report_uneven_inputs(ranks):
     print(f"4. with Join: steps per rank {steps}; finished in {ranks[0]['join seconds']:.1f} s, "
           f"max |dw| between ranks {join_diff:.1e}")
     # The first rank to time out closes its connections: a peer still waiting may then report
-    # "Connection closed by peer" instead of its own timeout. So: every rank's time, the first's error.
+    # "Connection closed by peer" instead of its own timeout, and the ranks' clocks cannot say
+    # which raised first. So: every rank's time, and the timeout that at least one rank reports.
     times = [r["no join seconds"] for r in ranks]
-    first = ranks[times.index(min(times))]["no join"].split(" for ")[0]  # less "for send/recv ..."
+    errors = [r["no join"].split(" for ")[0] for r in ranks]  # less "for send/recv ..."
+    timeouts = [e for e in errors if e.startswith("Timed out")]
     raised = all(r["no join"] != "finished" for r in ranks)
     print(f"   without Join (group timeout {HANG_TIMEOUT} s): "
           f"{'every rank raised' if raised else 'a rank FINISHED'}, after "
-          + ", ".join(f"{t:.1f}" for t in times) + f" s; the first to raise: {first}")
+          + ", ".join(f"{t:.1f}" for t in times) + " s; "
+          + (f"{len(timeouts)} of {len(ranks)} with {timeouts[0]}" if timeouts else
+             f"none timed out: {errors}"))
     n = len(ranks)
     print("   the alternative, even ranks: DistributedSampler of 255 samples on "
           f"{n} ranks gives {sampled(255, n, False)} samples (padded with repeats), with "
           f"drop_last=True {sampled(255, n, True)}")
-    hung = raised and min(times) >= HANG_TIMEOUT and first.startswith("Timed out")
+    hung = raised and min(times) >= HANG_TIMEOUT and bool(timeouts)
     return join_ok and join_diff == 0.0 and hung
 
 

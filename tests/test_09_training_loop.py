@@ -51,10 +51,11 @@ def test_every_part_of_the_loop_is_proved():
     assert number_after("against one process", clip) <= TOLERANCE
     join = last_line_matching(r"^4\. with Join", result.stdout)
     assert "steps per rank 8, 6" in join and number_after("between ranks", join) == 0.0
-    # without Join, every rank raises, none before the group timeout; the first to raise timed out
-    # (its peer may see "Connection closed by peer" once the first closes its connections)
+    # without Join, every rank raises, none before the group timeout, and a rank timed out (its
+    # peer may see "Connection closed by peer" once the first closes its connections)
     line = last_line_matching(r"^   without Join \(group timeout 3 s\): ", result.stdout)
-    assert "every rank raised, after " in line and line.endswith("the first to raise: Timed out waiting 3000ms")
+    assert "every rank raised, after " in line
+    assert re.search(r"s; [12] of 2 with Timed out waiting 3000ms$", line), line
     times = re.search(r"after ([\d., ]+) s;", line).group(1).split(", ")
     assert len(times) == 2 and all(float(t) >= 3.0 for t in times), line
     assert "gives 128, 128 samples (padded with repeats), with drop_last=True 127, 127" in result.stdout

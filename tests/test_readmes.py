@@ -4,8 +4,10 @@ Markers, written as an HTML comment on the line just before a fenced block:
   ```python            (no marker)  runnable: copied to a file, run with python, must exit 0
   <!-- fragment -->    ```python    an excerpt, not meant to run alone (the README says so)
   <!-- mistake: TEXT --> ```python  deliberately wrong: must exit non-zero and print TEXT
-  <!-- output: CMD --> ```text      the output CMD prints (run from the repo root); numbers may differ,
-                                    a line holding only '...' stands for any number of lines
+  <!-- output: CMD --> ```text      the output CMD prints (run from the repo root), numbers included;
+                                    a number written ~N varies from run to run (any number matches:
+                                    the README says why); a line holding only '...' stands for any
+                                    number of lines
   <!-- diff: A B -->   ```diff      exactly `python tests/lesson_diff.py A B`: the real diff between
                                     two lesson scripts, so the README's diff cannot go stale
 """
@@ -62,21 +64,36 @@ def test_python_block(mark, lang, code, tmp_path, lesson):
         assert result.returncode == 0, f"a runnable README block failed:\n{result.stderr[-3000:]}"
 
 
+VARYING = re.compile(r"~(" + NUMBER + ")")
+
+
 def output_pattern(expected):
+    """The block as a pattern: every character as written, but ~N (any number) and '...' lines."""
     parts = []
     for line in expected.splitlines():
         if line.strip() == "...":
             parts.append(r"(?:[^\n]*\n)*?")
         else:
-            parts.append(NUMBER.join(re.escape(piece) for piece in re.split(NUMBER, line)) + r"[ \t]*\n")
+            pieces = VARYING.split(line)[::2]  # the text around each ~N
+            parts.append(NUMBER.join(re.escape(piece) for piece in pieces) + r"[ \t]*\n")
     return re.compile("".join(parts))
 
 
 def test_output_pattern_can_fail():
-    pattern = output_pattern("PROOF PASSED: max 1.0e-08\n...\ndone in 3 s\n")
-    assert pattern.fullmatch("PROOF PASSED: max 4.5e-07\nanything\nelse\ndone in 12 s\n")
-    assert not pattern.fullmatch("PROOF FAILED: max 4.5e-07\ndone in 12 s\n")
-    assert not pattern.fullmatch("PROOF PASSED: max 4.5e-07\ndone in 12 s\nan extra line\n")
+    pattern = output_pattern("PROOF PASSED: max 4.5e-08\n...\ndone in ~3 s, 69 of 101\n")
+    assert pattern.fullmatch("PROOF PASSED: max 4.5e-08\nanything\nelse\ndone in 12.5 s, 69 of 101\n")
+    assert not pattern.fullmatch("PROOF FAILED: max 4.5e-08\ndone in 3 s, 69 of 101\n")
+    assert not pattern.fullmatch("PROOF PASSED: max 4.5e-08\ndone in 3 s, 69 of 101\nan extra line\n")
+    assert not pattern.fullmatch("PROOF PASSED: max 6.0e-08\ndone in 3 s, 69 of 101\n"), "a number"
+    assert not pattern.fullmatch("PROOF PASSED: max 4.5e-08\ndone in 3 s, 67 of 101\n"), "a count"
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
+def test_a_readme_with_varying_numbers_says_why(readme):
+    text = readme.read_text()
+    shown = [m.group("body") for m in BLOCK.finditer(text) if (m.group("mark") or "").startswith("output:")]
+    if any(VARYING.search(body) for body in shown):
+        assert "`~`" in text, "output blocks mark varying numbers with ~: say what varies and why"
 
 
 @pytest.mark.timeout(300)
