@@ -10,6 +10,8 @@ script stays self-contained, so a reader can copy it alone.
     crash_at_step(rank, step)         --crash-rank: this rank raises after its step-th optimizer step
     refuse_bad_crash_rank(r, ranks)   --crash-rank's guard rails: a rank that exists, a step 2 to reach
     hardware()                        the CPU/GPU, cores and torch version that timings ran on
+    hard_kill(pid), hard_killed()     kill at once (SIGKILL; TerminateProcess on Windows), in words
+    platform_name()                   Linux, macOS or Windows, for a line that refuses
     load_lesson(path)                 another lesson's script as a module: a lab's reference
 """
 import importlib.util
@@ -17,6 +19,7 @@ import multiprocessing
 import os
 import platform
 import random
+import signal
 import socket
 import sys
 
@@ -76,9 +79,17 @@ def find_free_port():
         return s.getsockname()[1]
 
 
-# A forkserver imports torch (and DDP's torch._dynamo) once and forks every rank from it: N ranks
-# cost one import instead of N (about 4 s each on 2 cores). The lessons keep mp.spawn's default.
-START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+def start_method():
+    """A forkserver imports torch (and DDP's torch._dynamo) once and forks every rank from it: N
+    ranks cost one import instead of N (about 4 s each on 2 cores). Linux only: Windows has no
+    fork, and on macOS Python calls fork unsafe (system libraries may start threads) and starts
+    with spawn, as mp.spawn does everywhere. The lessons keep mp.spawn's default."""
+    linux = sys.platform.startswith("linux")
+    return "forkserver" if linux and "forkserver" in multiprocessing.get_all_start_methods() \
+        else "spawn"
+
+
+START_METHOD = start_method()
 
 
 def as_a_fresh_process(rank, fn, *args):
@@ -91,9 +102,10 @@ def as_a_fresh_process(rank, fn, *args):
 
 
 def spawn_or_fail(fn, args, nprocs):
-    """mp.spawn's job, through the forkserver, each rank seeded as a fresh process; a failed rank is
-    RUN FAILED (stderr) and exit 1, and the other ranks have been stopped."""
-    multiprocessing.set_forkserver_preload(["__main__", "torch._dynamo"])
+    """mp.spawn's job, through the forkserver (Linux), each rank seeded as a fresh process; a
+    failed rank is RUN FAILED (stderr) and exit 1, and the other ranks have been stopped."""
+    if START_METHOD == "forkserver":
+        multiprocessing.set_forkserver_preload(["__main__", "torch._dynamo"])
     try:
         mp.start_processes(as_a_fresh_process, args=(fn, *args), nprocs=nprocs, join=True,
                            start_method=START_METHOD)
@@ -123,6 +135,23 @@ def crash_at_step(rank, step):
         if count[0] == step:
             raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank)")
     register_optimizer_step_post_hook(hook)
+
+
+def platform_name():
+    """The operating system as a reader knows it: Linux, macOS, Windows (else sys.platform)."""
+    return {"linux": "Linux", "darwin": "macOS", "win32": "Windows"}.get(sys.platform, sys.platform)
+
+
+def hard_kill(pid):
+    """Kills the process at once: no exception, no `finally`, no handler, as the OOM killer does.
+    SIGKILL on Linux and macOS. Windows has no SIGKILL; there os.kill with any other signal is
+    TerminateProcess, just as immediate (the exit code is the signal's number, 15)."""
+    os.kill(pid, getattr(signal, "SIGKILL", signal.SIGTERM))
+
+
+def hard_killed():
+    """hard_kill in words: "SIGKILLed" (Linux, macOS) or "killed by TerminateProcess" (Windows)."""
+    return "SIGKILLed" if hasattr(signal, "SIGKILL") else "killed by TerminateProcess"
 
 
 def max_abs_diff(state_a, state_b):

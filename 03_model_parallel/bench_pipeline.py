@@ -1,8 +1,8 @@
 """Benchmark for lesson 03: the naive split vs GPipe vs 1F1B, m = 1, 2, 4, 8 micro-batches, 2 processes.
 
     python 03_model_parallel/bench_pipeline.py                  # the committed results, idle machine
-    python 03_model_parallel/bench_pipeline.py --out-dir /tmp/bench --repeats 5
-    python 03_model_parallel/bench_pipeline.py --width 32 --layers 1 --batch-size 64 --repeats 1 --out-dir /tmp/b
+    python 03_model_parallel/bench_pipeline.py --out-dir bench_out --repeats 5
+    python 03_model_parallel/bench_pipeline.py --width 32 --layers 1 --batch-size 64 --repeats 1 --out-dir bench_small
 
 Not a test: run it on an otherwise idle machine and commit what it writes: bench_results.json,
 bench_results.csv and timeline.png (naive, GPipe m=4 and 1F1B m=4 on one chart). NOTES.md says
@@ -24,7 +24,6 @@ import datetime
 import gc
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,11 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
 
 import course  # noqa: E402
+
+try:
+    import resource  # getrusage: Linux and macOS
+except ImportError:  # Windows: os.times() instead
+    resource = None
 
 STAGES = 2
 CLASSES = 10
@@ -217,14 +221,18 @@ def plot_timeline(events0, events1, times, title=None):
 
 def cpu_seconds():
     """(seconds all CPUs were busy, seconds this process used, perf_counter()), from /proc/stat and getrusage."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
+    if resource:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        own = usage.ru_utime + usage.ru_stime
+    else:
+        own = os.times().user + os.times().system
     try:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
         busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
     except (OSError, ValueError):
         busy = float("nan")  # not Linux: the check is skipped
-    return busy, own.ru_utime + own.ru_stime, time.perf_counter()
+    return busy, own, time.perf_counter()
 
 
 def parse_args(argv=None):

@@ -37,9 +37,10 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset  # noqa: E40
 import course  # noqa: E402
 import sampler_checkpoint as lesson  # noqa: E402
 
-# forkserver: one server process imports torch (and DDP's torch._dynamo) once; every rank of the
-# three runs is forked from it, fresh, in a fraction of a second (spawn: ~4 s a run on 2 cores).
-START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+# forkserver (Linux): one server process imports torch (and DDP's torch._dynamo) once; every rank
+# of the three runs is forked from it, fresh, in a fraction of a second (spawn: ~4 s a run on 2
+# cores; macOS and Windows use spawn: course.start_method says why).
+START = course.START_METHOD
 TRAIN, HELD_OUT = 256, 101  # what lesson.worker builds: make_dataset(256 + 101), split 256 | 101
 DEFAULTS = {k: p.default for k, p in inspect.signature(lesson.main).parameters.items()}
 EVERY = inspect.signature(lesson.train).parameters["every"].default  # steps between checkpoints
@@ -141,6 +142,11 @@ def at_step(step, action):
     register_optimizer_step_post_hook(hook)
 
 
+def kill_self():
+    """The kill: SIGKILL (TerminateProcess on Windows, which has no SIGKILL), no finally runs."""
+    course.hard_kill(os.getpid())
+
+
 def crash(rank):
     raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank)")
 
@@ -169,7 +175,7 @@ def lab_worker(rank, world_size, port, backend, epochs, folder, resume, out_dir,
     lesson.evaluate = recording(lesson.evaluate, evaluations, steps)
     register_optimizer_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
     if kill_step and rank == kill_rank:
-        at_step(kill_step, lambda: os.kill(os.getpid(), signal.SIGKILL))
+        at_step(kill_step, kill_self)
     if rank == crash_rank:
         at_step(2, lambda: crash(rank))
     batch_size, lr = DEFAULTS["batch_size"], DEFAULTS["lr"]
@@ -263,7 +269,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    multiprocessing.set_forkserver_preload(["__main__", "torch._dynamo"])
+    if START == "forkserver":
+        multiprocessing.set_forkserver_preload(["__main__", "torch._dynamo"])
     backend, _, reason = course.backend_for(args.world_size, args.device)
     _, kill_step = kill_schedule(args.world_size, args.epochs)
     per_epoch = steps_per_epoch(args.world_size)
@@ -317,8 +324,9 @@ def main(argv=None):
               "another order (its buckets are not rebuilt yet): see NOTES.md")
     passed = same_losses and same_weights and exact_eval
     return course.report_proof(
-        passed, f"rank {killed} SIGKILLed after step {kill_step}, resumed from step {begin}: losses and "
-        f"weights {'bit-identical' if same_losses and same_weights else 'NOT identical'} to an "
+        passed, f"rank {killed} {course.hard_killed()} after step {kill_step}, resumed from step "
+        f"{begin}: losses and weights "
+        f"{'bit-identical' if same_losses and same_weights else 'NOT identical'} to an "
         f"uninterrupted run; evaluation counted {counted[0][1]} of {HELD_OUT} samples, "
         f"{'as' if exact_eval else 'NOT as'} one process does",
         f"torch.equal; max |dloss| {dloss:.1e}, max |dw| {dw:.1e}", "0")

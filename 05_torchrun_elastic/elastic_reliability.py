@@ -15,7 +15,6 @@ The variants differ in how torchrun is launched and how the lesson creates its p
 previous version of the lesson and of this script (commit 445f873): see NOTES.md.
 """
 import argparse
-import fcntl
 import json
 import os
 import re
@@ -30,6 +29,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # course.py
 import course  # noqa: E402
 import prove  # noqa: E402
+
+try:
+    import fcntl  # --lock's flock: Linux and macOS
+except ImportError:  # Windows
+    fcntl = None
 
 DISABLE_SHARING = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # name: (what it is, nodes, rendezvous, the lab's --break, extra environment, recommended by NOTES.md)
@@ -78,6 +82,9 @@ def parse_args(argv=None):
         p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)} or all")
     if min(args.trials, *args.variants.values()) < 1 or args.timeout <= 0 or args.trial_timeout <= 0:
         p.error("--trials, --timeout and --trial-timeout must be positive")
+    if args.lock and fcntl is None:
+        course.refuse(f"--lock holds an flock, which {course.platform_name()} does not have: "
+                      "run without --lock")
     return args
 
 
@@ -149,6 +156,7 @@ def run_trial(variant, args, reference):
 
 def main(argv=None):
     args = parse_args(argv)
+    prove.refuse_without_torchrun()
     lock = open(args.lock, "a") if args.lock else None
     print(f"crash-and-restart trials ({', '.join(f'{v} x{n}' for v, n in args.variants.items())}) on "
           f"{course.hardware()}", flush=True)

@@ -117,7 +117,7 @@ def torchrun_worker(settings):
                 broken == "crash-every-attempt" or attempt == 0 and not os.path.exists(killed)):
             open(killed, "w").close()
             note(record, killed_after_step=step, on_disk=steps_on_disk(settings["folder"]))
-            os.kill(os.getpid(), signal.SIGKILL)  # no exception, no finally: as the OOM killer does
+            course.hard_kill(os.getpid())  # SIGKILL: no exception, no finally, as the OOM killer
     register_optimizer_step_post_hook(after_each_step)
     try:
         model, losses, start = lesson.main(settings["epochs"], DEFAULTS["batch_size"],
@@ -146,7 +146,8 @@ def kill_schedule(epochs):
 
 def stop(proc, out_dir, run):
     """A launch that ran past its limit: torchrun stops its workers on SIGTERM; any left get SIGKILL
-    (torchrun starts each worker in a session of its own, so the pids come from their records)."""
+    (torchrun starts each worker in a session of its own, so the pids come from their records).
+    On Windows, terminate() and course.hard_kill are both TerminateProcess."""
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -156,9 +157,21 @@ def stop(proc, out_dir, run):
     for name in os.listdir(out_dir):
         if name.startswith(f"{run}-attempt") and name.endswith(".json"):
             try:
-                os.kill(json.load(open(os.path.join(out_dir, name)))["pid"], signal.SIGKILL)
+                course.hard_kill(json.load(open(os.path.join(out_dir, name)))["pid"])
             except (OSError, KeyError, ValueError):
                 pass
+
+
+def refuse_without_torchrun():
+    """torchrun's rendezvous (torch 2.15) creates its TCPStore with libuv, which PyTorch's Windows
+    builds lack (pytorch/pytorch#178600): one line now, rather than torchrun's traceback later."""
+    try:
+        dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    except RuntimeError as e:
+        if "libuv" not in str(e):
+            raise
+        course.refuse(f"torchrun cannot start here ({course.platform_name()}: this torch has no "
+                      "libuv, which torchrun's rendezvous asks for); run this lab on Linux or WSL2")
 
 
 def settings_for(run, args, out_dir, kill_step=None, crash_rank=None):
@@ -232,8 +245,8 @@ def tell_attempts(out_dir, run, stderr):
                              f"{r['error'][:160]};")
             if "killed_after_step" in r:
                 on_disk = ", ".join(map(str, r["on_disk"])) or "none"
-                parts.append(f"rank {rank} SIGKILLed after step {r['killed_after_step']} "
-                             f"(checkpoints on disk: steps {on_disk});")
+                parts.append(f"rank {rank} {course.hard_killed()} after step "
+                             f"{r['killed_after_step']} (checkpoints on disk: steps {on_disk});")
         if "steps" in record:
             parts.append(f"trained steps {start + 1}-{start + record['steps']}")
         if len(parts) == 1:
@@ -277,6 +290,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.as_torchrun_worker:
         return torchrun_worker(json.loads(args.as_torchrun_worker))
+    refuse_without_torchrun()
     resume_step, kill_step = kill_schedule(args.epochs)
     backend, reason = lesson.choose_backend(WORLD)
     print(f"backend: {backend} ({reason}); torchrun --standalone --nproc-per-node {WORLD} "
@@ -306,7 +320,8 @@ def main(argv=None):
               f"({crashed_s:.1f} s)")
         print(f"the {'crashed run' if args.broken == 'crash-every-attempt' else 'two runs'} took "
               f"{reference_s + crashed_s:.1f} s on {course.hardware()}")
-        claim = f"rank {KILLED_RANK} SIGKILLed at step {kill_step}, torchrun --max-restarts 1"
+        claim = (f"rank {KILLED_RANK} {course.hard_killed()} at step {kill_step}, "
+                 "torchrun --max-restarts 1")
         if code != 0:
             print(stderr, file=sys.stderr, end="")
             why = "the launch hung and was stopped" if code is None else f"torchrun gave up (exit {code})"

@@ -2,7 +2,7 @@
 
     python 07_fsdp_dcp/memory.py                          # N = 1, 2, 4; writes memory.json
     python 07_fsdp_dcp/memory.py --plot                   # and memory.png
-    python 07_fsdp_dcp/memory.py --world-sizes 1,2,3 --out-dir /tmp/mem
+    python 07_fsdp_dcp/memory.py --world-sizes 1,2,3 --out-dir .   # memory.json here
 
 Every rank builds the same MLP (blocks of Linear(width, width) + ReLU, then a Linear(width, 10)
 head), wraps it in DDP or in `fully_shard` (each block, then the root) over
@@ -14,6 +14,7 @@ head), wraps it in DDP or in `fully_shard` (each block, then the root) over
 - RSS: the growth of the whole process's resident memory (/proc/self/status) from before the
   model to after the step, labelled as such: it holds the allocator's caches, DDP's gradient
   buckets and FSDP2's freed all-gather buffers; "trimmed" is read after glibc's malloc_trim(0).
+  Linux only: without /proc (macOS, Windows) the RSS columns read n/a, and the run says so.
 
 Three wrappers: ddp, fsdp2 (every rank builds the whole model, then shards it) and fsdp2_meta
 (built on the meta device: no rank ever holds the whole model; its weights are not the seeded
@@ -47,6 +48,7 @@ import course  # noqa: E402
 
 MIB = 2 ** 20
 WRAPPERS = ("ddp", "fsdp2", "fsdp2_meta")
+STATUS = "/proc/self/status"  # VmRSS, VmHWM: Linux only
 
 
 def make_model(width, depth, classes=10, seed=0):
@@ -78,14 +80,26 @@ def shard_bytes(tensors):
 
 
 def rss_mib():
-    """(current, peak) resident set size of this process in MiB, from /proc/self/status."""
+    """(current, peak) resident set size of this process in MiB, from /proc/self/status; (None,
+    None) without /proc (macOS, Windows): the standard library reads no current RSS there."""
+    if not os.path.exists(STATUS):
+        return None, None
     fields = {}
-    with open("/proc/self/status") as f:
+    with open(STATUS) as f:
         for line in f:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "VmHWM"):
                 fields[key] = int(value.split()[0]) / 1024  # kB
     return fields["VmRSS"], fields["VmHWM"]
+
+
+def rss_fields(before, after, peak, trimmed):
+    """memory.json's RSS entries (MiB), each None where rss_mib() had no /proc to read."""
+    if before is None:
+        return dict.fromkeys(["rss_mib", "rss_growth_mib", "peak_rss_mib",
+                              "rss_growth_trimmed_mib"])
+    return {"rss_mib": round(after, 1), "rss_growth_mib": round(after - before, 1),
+            "peak_rss_mib": round(peak, 1), "rss_growth_trimmed_mib": round(trimmed - before, 1)}
 
 
 def trim_heap():
@@ -148,9 +162,7 @@ def measure(rank, world_size, port, wrapper, width, depth, out_dir, timeout=60):
             "optim": storage_bytes(states),
             "params_unpadded": shard_bytes(params), "grads_unpadded": shard_bytes(grads),
             "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
-            "rss_mib": round(rss, 1), "rss_growth_mib": round(rss - rss_before, 1),
-            "peak_rss_mib": round(peak, 1),
-            "rss_growth_trimmed_mib": round(rss_trimmed - rss_before, 1),
+            **rss_fields(rss_before, rss, peak, rss_trimmed),
         }
         result["total"] = result["params"] + result["grads"] + result["optim"]
         with open(os.path.join(out_dir, f"{wrapper}_{world_size}_{rank}.json"), "w") as f:
@@ -187,6 +199,11 @@ def run_all(world_sizes, width, depth):
     return rows
 
 
+def mib(value, width):
+    """An RSS column: the whole MiB, or n/a where there was no /proc to read."""
+    return f"{value:{width}.0f}" if value is not None else f"{'n/a':>{width}}"
+
+
 def print_table(result):
     m = result["model"]
     print(f"model: {m['description']}: {m['parameters']:,} parameters "
@@ -204,7 +221,7 @@ def print_table(result):
             ratio = f"{total / ddp:7.4f} {row['target']:6.4f}" if wrapper != "ddp" else " " * 14
             print(f"{row['N']:>2} {wrapper:<10} {e['params'] / MIB:7.2f} {e['grads'] / MIB:7.2f} "
                   f"{e['optim'] / MIB:7.2f} {total / MIB:7.2f} {ratio} "
-                  f"{e['rss_growth_mib']:6.0f} {e['rss_growth_trimmed_mib']:7.0f}")
+                  f"{mib(e['rss_growth_mib'], 6)} {mib(e['rss_growth_trimmed_mib'], 7)}")
     print("params/grads/optim: the tensors' storages, counted exactly, padding included.\n"
           "RSS+: resident memory grown from before the model to after the step (the whole\n"
           "process: allocator caches, DDP's buckets, FSDP2's freed all-gather buffers); trimmed:\n"
@@ -231,8 +248,9 @@ def plot(result, path):
     ddp1 = max(result["rows"][0]["ddp"]["per_rank_total"]) / MIB * result["rows"][0]["N"]
     ax.plot(ns, [ddp1 / n for n in ns], "k:", label="DDP / N (the target)")
     for wrapper, style in (("ddp", "o--"), ("fsdp2", "s--")):
-        ax.plot(ns, [r[wrapper]["rss_growth_trimmed_mib"] for r in result["rows"]], style,
-                alpha=0.4, label=f"{wrapper}: RSS growth, trimmed (noisy)")
+        rss = [r[wrapper]["rss_growth_trimmed_mib"] for r in result["rows"]]
+        if None not in rss:  # None: no /proc to read (macOS, Windows)
+            ax.plot(ns, rss, style, alpha=0.4, label=f"{wrapper}: RSS growth, trimmed (noisy)")
     ax.set_xlabel("ranks N")
     ax.set_ylabel("MiB per rank")
     ax.set_xticks(ns)
@@ -265,6 +283,9 @@ def main():
         course.refuse(f"--width must be at least 1, got {args.width}")
     if not os.path.isdir(args.out_dir):
         course.refuse(f"--out-dir {args.out_dir!r} is not a folder")
+    if not os.path.exists(STATUS):
+        print(f"RSS: not measured on {course.platform_name()} (/proc/self/status is Linux only); "
+              "the tensor bytes are counted exactly anywhere", flush=True)
     depth = 4
     model = make_model(args.width, depth)
     n_params = sum(p.numel() for p in model.parameters())

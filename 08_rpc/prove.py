@@ -29,6 +29,10 @@ import torch.nn as nn  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import course  # noqa: E402
+
+if not torch_rpc.is_available():  # before the lesson's import, which would exit on it
+    course.refuse(f"lesson 08 needs torch.distributed.rpc, which this torch build on "
+                  f"{course.platform_name()} lacks (PyTorch builds none for Windows)")
 import rpc as lesson  # noqa: E402
 
 TOLERANCE = 1e-5  # float32 rounding: the server's forward and a local one add in other orders

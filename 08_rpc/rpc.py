@@ -12,6 +12,7 @@ torch 2.15 (README.md): learn it to read old code, not to start new systems on i
 import argparse
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -20,8 +21,11 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
-from torch.distributed.optim import DistributedOptimizer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+if not rpc.is_available():  # PyTorch's Windows builds have no RPC: one line, not an ImportError
+    raise SystemExit(f"torch.distributed.rpc is not in this torch build (platform {sys.platform})")
+from torch.distributed.optim import DistributedOptimizer  # noqa: E402 (needs RPC)
 
 SERVER = {}  # what the parameter server's process owns; trainers reach it only through RPC
 FORWARD_LOCK = threading.Lock()  # the server answers RPCs in a pool of threads, at once

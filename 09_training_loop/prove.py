@@ -29,8 +29,8 @@ import tempfile
 import time
 import traceback
 
-if __name__ == "__main__":  # start the ranks' forkserver now: it imports torch while we do
-    import multiprocessing.forkserver
+if __name__ == "__main__" and sys.platform.startswith("linux"):  # course.start_method()'s rule
+    import multiprocessing.forkserver  # start the ranks' forkserver now: it imports torch as we do
     multiprocessing.set_forkserver_preload(["__main__", "torch._dynamo"])  # as course.py's
     multiprocessing.forkserver.ensure_running()
 

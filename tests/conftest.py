@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -81,7 +82,7 @@ def shared_cache_dir(pid=None):
     their parent; removed when the session ends (pytest_sessionfinish)."""
     if pid is None:
         pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"course-readme-runs-{pid}"
+    folder = Path(tempfile.gettempdir()) / f"course-readme-runs-{pid}"  # $TMPDIR, /tmp, %TEMP%
     folder.mkdir(exist_ok=True)
     return folder
 

@@ -220,3 +220,12 @@ def test_benchmark_pieces(tmp_path):
     bench.plot_timeline(events, events, times).savefig(tmp_path / "t.png", dpi=40)
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert bench.resolve(events["GPipe m=2"], None) == events["GPipe m=2"]  # CPU: perf_counter() already
+
+
+def test_benchmark_counts_its_cpu_seconds_without_the_resource_module(monkeypatch):
+    """Windows has no `resource`: os.times() gives the same user + system seconds (10 ms ticks)."""
+    bench = load_script(REPO / "03_model_parallel" / "bench_pipeline.py")
+    _, with_getrusage, _ = bench.cpu_seconds()
+    monkeypatch.setattr(bench, "resource", None)  # as on Windows
+    _, with_times, _ = bench.cpu_seconds()
+    assert with_getrusage > 0 and abs(with_times - with_getrusage) < 0.1

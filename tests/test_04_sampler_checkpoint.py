@@ -11,6 +11,8 @@ import hashlib
 import io
 import os
 import shutil
+import signal
+import sys
 import types
 
 import pytest
@@ -176,3 +178,29 @@ def test_the_lesson_alone_trains_resumes_nothing_and_refuses_another_run(lesson,
     assert runs[1].returncode != 0 and "belongs to another run" in refused_err
     assert len(refused_err.strip().splitlines()) == 1 and "Traceback" not in refused_err
     assert {p: p.read_bytes() for p in sorted(folder.glob("step*.pt"))} == saved
+
+
+# --- other platforms: nothing here runs macOS or Windows, so these check the lab's choices in-process
+
+def test_the_kill_is_sigkill_and_terminateprocess_where_there_is_no_sigkill(monkeypatch):
+    """Windows has no signal.SIGKILL; there os.kill(pid, SIGTERM) is TerminateProcess, as immediate
+    (exit code 15). The proof line says which."""
+    prove = load_script(LAB, "prove04")
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))  # nothing is killed
+    prove.kill_self()
+    assert sent == [(os.getpid(), signal.SIGKILL)] and course.hard_killed() == "SIGKILLed"
+    monkeypatch.delattr(signal, "SIGKILL")  # as on Windows
+    prove.kill_self()
+    assert sent[-1] == (os.getpid(), signal.SIGTERM)
+    assert course.hard_killed() == "killed by TerminateProcess"
+
+
+@pytest.mark.parametrize("platform, method", [("linux", "forkserver"), ("darwin", "spawn"), ("win32", "spawn")])
+def test_ranks_are_forked_from_a_forkserver_on_linux_only(monkeypatch, platform, method):
+    """Windows has no fork; on macOS Python calls fork unsafe and starts with spawn."""
+    monkeypatch.setattr(sys, "platform", platform)
+    assert course.start_method() == method
+    monkeypatch.undo()
+    here = "forkserver" if sys.platform.startswith("linux") else "spawn"
+    assert load_script(LAB, "prove04").START == course.START_METHOD == here

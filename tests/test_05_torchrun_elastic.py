@@ -4,6 +4,7 @@ Two-node launches are recipes in NOTES.md, not tests: each torchrun launch costs
 import json
 import os
 import shutil
+import signal
 import sys
 
 import pytest
@@ -146,3 +147,77 @@ def test_committed_reliability_results_meet_the_target():
     notes = (REPO / "05_torchrun_elastic" / "NOTES.md").read_text()
     for name in ("prefix", "plain"):  # the text says what the data says
         assert f"`{name}` | " in notes and f"**{results[name]['passed']}/{results[name]['trials']}**" in notes
+
+
+# --- other platforms: nothing here runs macOS or Windows, so these check the lab's choices in-process
+
+def test_a_hung_launchs_leftover_workers_get_sigkill_or_terminateprocess(lab, monkeypatch, tmp_path):
+    """stop(): torchrun first, then every worker whose record names its pid. Windows has no
+    signal.SIGKILL; there os.kill(pid, SIGTERM) is TerminateProcess, as immediate."""
+    class Torchrun:  # the launch that ran past its limit
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    (tmp_path / "crashed-attempt0-rank1.json").write_text(json.dumps({"pid": 4242}))
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))  # nothing is killed
+    lab.stop(Torchrun(), str(tmp_path), "crashed")
+    assert sent == [(4242, signal.SIGKILL)]
+    monkeypatch.delattr(signal, "SIGKILL")  # as on Windows
+    lab.stop(Torchrun(), str(tmp_path), "crashed")
+    assert sent[-1] == (4242, signal.SIGTERM)
+
+
+def test_the_story_names_the_kill_sigkill_here_and_terminateprocess_on_windows(lab, monkeypatch, tmp_path,
+                                                                               capsys):
+    """tell_attempts from the workers' records and torchrun's log: on Linux the README's lines;
+    without SIGKILL the worker's exit code is the signal's number, 15, and the kill is named."""
+    records = {"attempt0-rank0": {"start": 0}, "attempt0-rank1": {"killed_after_step": 12, "on_disk": [5, 10]},
+               "attempt1-rank0": {"start": 10, "resumed_from": "step10.pt", "steps": 6}}
+    for name, record in records.items():
+        (tmp_path / f"crashed-{name}.json").write_text(json.dumps(record))
+    log = "failed (exitcode: {}) local_rank: 1 (pid: 7) of binary: python"
+    lab.tell_attempts(str(tmp_path), "crashed", log.format(-9))
+    out = capsys.readouterr().out
+    assert "rank 1 SIGKILLed after step 12 (checkpoints on disk: steps 5, 10)" in out
+    assert "torchrun saw local rank 1 fail (exitcode -9 = SIGKILL), stopped the other rank and restarted" in out
+    monkeypatch.delattr(signal, "SIGKILL")  # as on Windows
+    lab.tell_attempts(str(tmp_path), "crashed", log.format(15))
+    out = capsys.readouterr().out
+    assert "rank 1 killed by TerminateProcess after step 12 (checkpoints on disk: steps 5, 10)" in out
+    assert "torchrun saw local rank 1 fail (exitcode 15), stopped the other rank and restarted" in out
+
+
+def test_without_libuv_torchrun_cannot_start_and_the_lab_says_so_in_one_line(lab, monkeypatch, capsys):
+    """torch 2.15's torchrun asks TCPStore for libuv, which PyTorch's Windows builds lack: the lab
+    probes for it and refuses before any rank starts, instead of torchrun's traceback later."""
+    assert lab.refuse_without_torchrun() is None  # here, a TCPStore with libuv starts
+
+    def no_libuv(*args, **kwargs):  # what such a build raises
+        raise lab.dist.DistStoreError("use_libuv was requested but PyTorch was built without libuv "
+                                      "support, run with USE_LIBUV=0 to disable it.")
+    monkeypatch.setattr(lab.dist, "TCPStore", no_libuv)
+    monkeypatch.setattr(sys, "platform", "win32")
+    with pytest.raises(SystemExit) as refused:
+        lab.main([])
+    monkeypatch.undo()
+    captured = capsys.readouterr()
+    assert refused.value.code == 2 and captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert "torchrun cannot start here (Windows: this torch has no libuv" in captured.err
+
+
+def test_reliability_scripts_lock_is_refused_in_one_line_without_flock(lab, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "prove", lab)  # not another lesson's prove.py
+    study = load_script(REPO / "05_torchrun_elastic" / "elastic_reliability.py", "elastic_reliability05")
+    assert study.parse_args(["--lock", "cpu.lock"]).lock == "cpu.lock"  # Linux: fcntl.flock
+    monkeypatch.setattr(study, "fcntl", None)  # as on Windows
+    monkeypatch.setattr(sys, "platform", "win32")
+    with pytest.raises(SystemExit) as refused:
+        study.parse_args(["--lock", "cpu.lock"])
+    monkeypatch.undo()
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and len(err.splitlines()) == 1
+    assert "--lock holds an flock, which Windows does not have" in err

@@ -343,3 +343,32 @@ def test_memory_benchmark_refuses_bad_input_before_any_rank(monkeypatch, capsys,
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("memory.py: error: ") and len(err.splitlines()) == 1
+
+
+def test_memory_benchmark_without_proc_counts_the_bytes_and_says_rss_is_not_measured(tmp_path, monkeypatch,
+                                                                                     capsys):
+    """macOS and Windows have no /proc/self/status: the tensor bytes are still exact; the RSS
+    columns read n/a, memory.json holds null, the plot leaves the RSS lines out, and the run says so
+    in one line. The ranks run in this process (a world of one), as in the test above."""
+    memory = load_script("07_fsdp_dcp/memory.py")
+    monkeypatch.setattr(memory, "STATUS", str(tmp_path / "no-proc" / "status"))
+    monkeypatch.setattr(memory.course, "spawn_or_fail", lambda fn, args, nprocs: fn(0, *args))
+    monkeypatch.setattr(sys, "argv", ["memory.py", "--world-sizes", "1", "--width", "8",
+                                      "--out-dir", str(tmp_path), "--plot"])
+    threads = torch.get_num_threads()
+    try:
+        memory.main()
+    finally:
+        torch.set_num_threads(threads)  # measure() sets 1 thread for its rank
+    out = capsys.readouterr().out
+    notice = [line for line in out.splitlines() if line.startswith("RSS: not measured on")]
+    assert len(notice) == 1 and "/proc/self/status is Linux only" in notice[0]
+    rows = [line.split() for line in out.splitlines() if line.startswith(" 1 ")]
+    assert len(rows) == 3 and all(row[-2:] == ["n/a", "n/a"] for row in rows), out
+    result = json.loads((tmp_path / "memory.json").read_text())
+    ddp = result["rows"][0]["ddp"]
+    assert ddp["rss_mib"] is ddp["rss_growth_mib"] is ddp["rss_growth_trimmed_mib"] is None
+    params = sum(p.numel() for p in memory.make_model(8, 4).parameters()) * 4
+    assert ddp["params"] == ddp["grads"] == params and ddp["total"] == 4 * params + 4 * 10
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    assert memory.mib(12.4, 6) == f"{12.4:6.0f}" and memory.mib(None, 7) == "    n/a"  # Linux unchanged

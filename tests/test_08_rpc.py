@@ -149,3 +149,18 @@ def test_impossible_choices_are_refused_before_any_rank_starts(prove, capsys, ar
 def test_help_names_every_flag_and_break(prove, capsys):
     assert_help_in_process(prove.parse_args, ["--async-trainers", "--epochs", "--batch-size", "--lr", "--break",
                                               "--crash-rank", "--timeout", *prove.BREAKS], capsys)
+
+
+def test_without_rpc_the_lesson_and_the_lab_say_so_in_one_line(monkeypatch, capsys):
+    """PyTorch builds no torch.distributed.rpc for Windows (rpc.is_available() is False there): the
+    lesson exits with one line instead of an ImportError, the lab refuses (exit 2) before any rank."""
+    monkeypatch.setattr(rpc, "is_available", lambda: False)  # as on Windows
+    with pytest.raises(SystemExit) as stopped:
+        load_script(LESSON)
+    assert str(stopped.value.code).startswith("torch.distributed.rpc is not in this torch build (platform ")
+    with pytest.raises(SystemExit) as refused:
+        load_script(LAB)
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "lesson 08 needs torch.distributed.rpc, which this torch build on " in err
+    assert err.endswith("lacks (PyTorch builds none for Windows)")
