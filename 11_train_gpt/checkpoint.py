@@ -1,0 +1,145 @@
+"""Checkpoints that lose nothing, for train_gpt.py (lessons 04, 05 and 07 together).
+
+DDP: rank 0 writes one file, stepNNNNNNN-<sha256>.pt, whose name carries its bytes' checksum.
+FSDP: a folder stepNNNNNNN/ that DCP fills with every rank's shards, then train_state.pt (step,
+config, scheduler, every rank's RNG state) and sha256.txt, the checksum of every file, written
+last. Both are written under a .tmp name and renamed when whole: a crash leaves older ones whole.
+"""
+import glob
+import hashlib
+import io
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+class BadCheckpoint(Exception):
+    """A checkpoint that must not be resumed: the message names the file and says why."""
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def rng_states(device):
+    """This rank's RNG states, gathered from every rank: dropout continues where it stopped."""
+    mine = {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def fsync_rename(tmp, path):
+    """The bytes are on disk before the rename makes them visible, and the rename is on disk."""
+    if os.path.isfile(tmp):
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if os.name == "posix":
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        os.fsync(fd), os.close(fd)
+
+
+def save(folder, model, optimizer, scheduler, step, config, parallel, device):
+    """EVERY rank calls it. Keeps this checkpoint and the one before it."""
+    train_state = {"step": step, "config": config, "scheduler": scheduler.state_dict(),
+                   "rng": rng_states(device)}
+    rank = dist.get_rank()
+    name = path = os.path.join(folder, f"step{step:07d}")
+    if parallel == "ddp":
+        if rank == 0:
+            buffer = io.BytesIO()
+            torch.save({**train_state, "model": model.module.state_dict(),
+                        "optimizer": optimizer.state_dict()}, buffer)
+            path = f"{name}-{hashlib.sha256(buffer.getvalue()).hexdigest()[:16]}.pt"
+            with open(path + ".tmp", "wb") as f:
+                f.write(buffer.getvalue())
+            fsync_rename(path + ".tmp", path)
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)  # this rank's shards only
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=name + ".tmp")
+        if rank == 0:  # DCP's save ends with rank 0's .metadata: every shard is on disk
+            torch.save(train_state, os.path.join(name + ".tmp", "train_state.pt"))
+            files = sorted(os.listdir(name + ".tmp"))
+            with open(os.path.join(name + ".tmp", "sha256.txt"), "w") as f:
+                f.writelines(f"{sha256(os.path.join(name + '.tmp', n))}  {n}\n" for n in files)
+            fsync_rename(name + ".tmp", name)
+    if rank == 0:
+        for old in sorted(glob.glob(os.path.join(folder, "step[0-9]*[0-9t]")))[:-2]:
+            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+    dist.barrier()  # every rank: when it returns, the checkpoint exists for everyone
+    return path
+
+
+def verify(path):
+    """Raises BadCheckpoint unless every byte of the checkpoint at `path` matches its checksum."""
+    if os.path.isfile(path):
+        if sha256(path)[:16] != os.path.basename(path)[-19:-3]:
+            raise BadCheckpoint(f"{path} is damaged: its bytes do not match the sha256 in its name")
+        return
+    manifest = os.path.join(path, "sha256.txt")
+    if not os.path.isfile(manifest):
+        raise BadCheckpoint(f"{manifest} is missing: {path} is not a whole checkpoint")
+    with open(manifest) as f:
+        listed = dict(line.rstrip("\n").split("  ", 1)[::-1] for line in f if line.strip())
+    for name, digest in listed.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file) or sha256(file) != digest:
+            raise BadCheckpoint(f"{file} is damaged or missing: its sha256 is not the one in "
+                                "sha256.txt")
+
+
+def find(folder, config, parallel):
+    """The newest checkpoint in `folder` for this run, checked, or None. Raises BadCheckpoint for
+    a damaged one, one of the other kind (DDP or FSDP) or one of other settings."""
+    found = sorted(glob.glob(os.path.join(folder, "step[0-9]*[0-9t]")))
+    if not found:
+        return None
+    path = found[-1]
+    kind = "ddp" if os.path.isfile(path) else "fsdp"
+    if kind != parallel:
+        raise BadCheckpoint(f"{path} was saved by --parallel {kind}, not {parallel}")
+    verify(path)
+    try:
+        state = torch.load(path if kind == "ddp" else os.path.join(path, "train_state.pt"),
+                           map_location="cpu", weights_only=True)
+    except Exception as error:  # the checksum matched: bytes that were never a checkpoint
+        raise BadCheckpoint(f"{path} cannot be read ({type(error).__name__})") from None
+    changed = {k: (state["config"].get(k), v) for k, v in config.items()
+               if state["config"].get(k) != v}
+    if changed:
+        raise BadCheckpoint(f"{path} was saved with other settings (saved, now: {changed}): "
+                            "resume with the same ones, or use another --out-dir")
+    return path
+
+
+def load(path, model, optimizer, scheduler, parallel, device):
+    """Every rank loads onto its own device; returns the step to continue from. On the world size
+    that saved it, each rank takes back its own RNG state; on another, it cannot, and reseeds."""
+    if parallel == "ddp":
+        state = torch.load(path, map_location=device, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)  # the shapes to fill in
+        shards = {"model": model_state, "optim": optim_state}
+        dcp.load(shards, checkpoint_id=path)  # each rank reads the pieces of ITS shards
+        set_state_dict(model, optimizer, model_state_dict=shards["model"],
+                       optim_state_dict=shards["optim"])
+        state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu",
+                           weights_only=True)
+    scheduler.load_state_dict(state["scheduler"])
+    rank, rng = dist.get_rank(), state["rng"]
+    if len(rng) == dist.get_world_size():
+        torch.set_rng_state(rng[rank]["cpu"].cpu())
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rng[rank]["cuda"].cpu(), device)
+    else:
+        torch.manual_seed(state["config"]["seed"] + 1000 * state["step"] + rank)
+    return state["step"]

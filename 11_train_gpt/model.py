@@ -1,0 +1,88 @@
+"""A small decoder-only transformer (GPT) in plain torch: what lesson 11 trains.
+
+Replace it with your own model: train_gpt.py needs only `make_model()` to return an nn.Module whose
+forward maps a batch of inputs to logits, and (for FSDP) a list of blocks to shard one by one.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        assert n_embd % n_head == 0, "n_embd must split evenly into heads"
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # is_causal: position t attends to positions <= t only, so the model cannot read its target
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x)); FSDP shards one block at a time."""
+
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size=256, context=64, n_layer=2, n_head=2, n_embd=64, dropout=0.0):
+        super().__init__()
+        self.context = context
+        self.token = nn.Embedding(vocab_size, n_embd)
+        self.position = nn.Embedding(context, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.norm = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        # Tied: the output layer reuses the input embedding (fewer parameters, as GPT-2). Both live
+        # in the root module, so under FSDP one unit (the root) owns the one shared tensor.
+        self.head.weight = self.token.weight
+        for module in self.modules():  # GPT-2's initialization: normal(0, 0.02), zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for name, p in self.named_parameters():  # what adds into the residual stream: smaller,
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):  # so its variance stays put
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, idx):
+        """(batch, time) token ids -> (batch, time, vocab) logits of the NEXT token at each place"""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.token(idx) + self.position(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, idx, new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Appends `new_tokens` sampled tokens to idx (batch, time). Sampling draws from its own
+        `generator`, never the global RNG, which a resumed run restores for dropout."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.context:])[:, -1, :] / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, -float("inf"))
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, next_token], dim=1)
+        return idx

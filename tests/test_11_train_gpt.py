@@ -1,0 +1,262 @@
+"""Lesson 11, the capstone, and its lab: the lessons together on a GPT and real text.
+
+The lab's whole proof and one break run once each as the README shows them (shared with the
+README's output test); the other breaks, the data stream, the checkpoints' guard rails and the
+lesson copied alone are tested here, in this process (a world of one) where no rank must start."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from conftest import (REPO, assert_help_in_process, assert_refused_in_process, kill_leftovers,
+                      last_line_matching, load_script, run_lesson, run_once_per_session,
+                      run_readme_command)
+
+LAB = "11_train_gpt/prove.py"
+FOLDER = REPO / "11_train_gpt"
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def prove():
+    return load_script(LAB)
+
+
+@pytest.fixture(scope="module")
+def lesson(prove):
+    return prove.lesson
+
+
+def world_of_one_env():
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        os.environ.pop(key, None)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """main() in this process sets torchrun's variables for a world of one: undo that after."""
+    threads = torch.get_num_threads()
+    world_of_one_env()
+    yield
+    world_of_one_env()
+    torch.set_num_threads(threads)
+
+
+# --- the lab, run as the README runs it ---------------------------------------------------------
+
+def test_every_claim_holds_on_the_gpt():
+    result = run_readme_command("python 11_train_gpt/prove.py")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    gaps = re.findall(r"\d\.\de[-+]\d\d", last_line_matching(r"^1\. float64", out))
+    assert len(gaps) == 4 and max(map(float, gaps)) <= 1e-10, gaps
+    assert last_line_matching(r"^2\. killed", out).endswith("DDP 0.0e+00, FSDP 0.0e+00")
+    counts = [item.split()[-1] for item in
+              last_line_matching(r"^4\. ", out).split("ranks): ", 1)[1].split(", ")]
+    total = re.search(r"of \d+ samples: (\d+)", out).group(1)
+    assert counts and set(counts) == {total}, counts
+    assert last_line_matching(r"^5\. ", out).endswith("DDP [1, 2, 3, 4, 5, 6], FSDP [1, 2, 3, 4, 5, 6]")
+    assert "PROOF PASSED" in out
+
+
+def test_autocast_on_the_wrong_device_fails_the_bf16_claim():
+    result = run_readme_command("python 11_train_gpt/prove.py --break autocast-on-cuda")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "PROOF FAILED: NOT every claim holds (claim 6 fails)" in result.stdout
+    assert "claim(s) 6 of 6" in result.stdout, "a break runs only the claims it breaks"
+
+
+# --- the data: one stream, whatever the world size ----------------------------------------------
+
+def test_a_steps_windows_are_the_same_on_1_2_and_3_ranks(lesson):
+    train_set = lesson.make_dataset(None, 64)[0]
+    for step in (0, 7, len(train_set) // 24):  # the last one crosses an epoch's end
+        expected = lesson.step_windows(len(train_set), step, 24, seed=0)
+        for world, batch in ((1, 24), (2, 12), (3, 4)):
+            accumulate = 24 // (world * batch)
+            shares = [list(lesson.micro_batches(train_set, step, r, world, accumulate, batch, 0)
+                           .sampler) for r in range(world)]
+            assert sorted(sum(shares, [])) == sorted(expected), (step, world)
+
+
+def test_an_epoch_sees_every_window_once_and_drops_none(lesson):
+    n, batch = 100, 24  # 100 windows, steps of 24: epochs end mid-step
+    stream = sum((lesson.step_windows(n, s, batch, seed=3) for s in range(25)), [])  # 6 epochs
+    for epoch in range(6):
+        assert sorted(stream[epoch * n:(epoch + 1) * n]) == list(range(n)), epoch
+    assert stream[:n] != stream[n:2 * n], "a new order each epoch"
+
+
+def test_rank_seeded_data_draws_other_windows_than_the_step(prove, lesson):
+    train_set = lesson.make_dataset(None, 64)[0]
+    two = sum((list(prove.rank_seeded_micro_batches(train_set, 1, r, 2, 1, 12, 0).sampler)
+               for r in range(2)), [])
+    assert sorted(two) != sorted(lesson.step_windows(len(train_set), 1, 24, 0))
+
+
+# --- the lesson in this process: a world of one -------------------------------------------------
+
+def test_evaluation_in_a_world_of_one_counts_every_target_once(prove, lesson, world_of_one,
+                                                               tmp_path):
+    kept = {}
+    undo = prove.install(None, False, 1, kept)
+    try:
+        lesson.main(steps=1, every=1, batch_size=4, out_dir=str(tmp_path / "a"))
+    finally:
+        undo()
+    val_set = lesson.make_dataset(None, 64)[1]
+    assert kept["counted"] == [len(val_set) * 64]
+
+
+def run_main(lesson, folder, capsys=None, **settings):
+    world_of_one_env()
+    try:
+        return lesson.main(out_dir=str(folder), batch_size=4, **settings)
+    finally:
+        world_of_one_env()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing(
+        lesson, world_of_one, tmp_path, capsys, parallel):
+    folder = tmp_path / "run"
+    run_main(lesson, folder, steps=2, every=1, parallel=parallel)
+    saved = sorted(p.name for p in folder.iterdir() if p.name.startswith("step"))
+    assert len(saved) == 2, saved  # this one and the one before it
+    newest = folder / saved[-1]
+    target = newest if newest.is_file() else next(newest.glob("__0_0.distcp"))
+    data = target.read_bytes()
+
+    def refused(message, **settings):
+        before = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            run_main(lesson, folder, **{"steps": 2, "every": 1, "parallel": parallel, **settings})
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert {p: p.stat().st_mtime_ns for p in folder.rglob("*")} == before, "nothing written"
+
+    refused("was saved with other settings", lr=1e-3)  # foreign: another run's settings
+    refused("was saved with other settings", steps=3)  # the cosine schedule would change
+    refused("was saved by --parallel", parallel="fsdp" if parallel == "ddp" else "ddp")
+    target.write_bytes(bytes(len(data)))  # zeroed
+    refused("is damaged")
+    target.write_bytes(data[:len(data) // 2])  # truncated
+    refused("is damaged")
+    target.write_bytes(data)  # whole again: it resumes at its last step, with nothing left to do
+    assert run_main(lesson, folder, steps=2, every=1, parallel=parallel)[2] == 2
+
+
+def test_a_crashed_saves_tmp_is_never_resumed(lesson, world_of_one, tmp_path):
+    folder = tmp_path / "run"
+    run_main(lesson, folder, steps=2, every=1, parallel="fsdp")
+    os.rename(folder / "step0000002", folder / "step0000002.tmp")  # as if it crashed mid-save
+    _, losses, start = run_main(lesson, folder, steps=2, every=1, parallel="fsdp")
+    assert start == 1 and len(losses) == 1
+    assert not list(folder.glob("*.tmp")), "main() clears a crashed save's folder"
+
+
+# --- adapting it: replace make_model and make_dataset, and the lab still proves it --------------
+
+CNN = '''
+def make_dataset(data, context):
+    """torchvision's FakeData: 8x8 grey images in 4 classes, the same bytes in every process."""
+    import torchvision
+    to_tensor = torchvision.transforms.ToTensor()
+    def images(size, offset):
+        return [(to_tensor(x), y) for x, y in torchvision.datasets.FakeData(
+            size, (1, 8, 8), 4, random_offset=offset)]
+    return images(96, 0), images(37, 1000), "FakeData"
+
+
+class CNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Conv2d(1, 4, 3), torch.nn.Conv2d(4, 4, 3)])
+        self.head = torch.nn.Linear(4 * 4 * 4, 4)
+
+    def forward(self, x):
+        x = x.to(self.head.weight.dtype)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x.flatten(1))
+
+
+def make_model(context, dropout, seed):
+    torch.manual_seed(seed)
+    return CNN()
+'''
+
+
+def test_a_cnn_on_fakedata_replaces_two_functions_and_the_lab_still_proves_it(tmp_path):
+    """The README's recipe: copy the folder, replace make_dataset and make_model, nothing else;
+    the lab then proves claims 1 and 4 on the copy (2 ranks and 3 against one process)."""
+    run_once_per_session("test_11_train_gpt.cnn")
+    copy = tmp_path / "my_project"
+    shutil.copytree(FOLDER, copy, ignore=shutil.ignore_patterns("prove.py", "*.md", "__pycache__"))
+    script = (copy / "train_gpt.py").read_text()
+    start, end = script.index("def make_dataset("), script.index("def unigram_entropy(")
+    (copy / "train_cnn.py").write_text(script[:start] + CNN.lstrip() + "\n\n" + script[end:])
+    marker = uuid.uuid4().hex
+    result = run_lesson(LAB, "--lesson", copy / "train_cnn.py", "--claims", 1, 4, timeout=170,
+                        marker=marker)
+    assert not kill_leftovers(marker), "the lab left processes running"
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "of 37 samples: 37" in result.stdout and "PROOF PASSED" in result.stdout
+
+
+# --- the lesson copied alone, and the command line ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """The folder copied alone (train_gpt.py, model.py, checkpoint.py), run under plain python."""
+    run_once_per_session("test_11_train_gpt.alone")
+    folder = tmp_path_factory.mktemp("alone")
+    for name in ("train_gpt.py", "model.py", "checkpoint.py"):
+        shutil.copy(FOLDER / name, folder / name)
+    marker = uuid.uuid4().hex
+    result = run_lesson(folder / "train_gpt.py", "--steps", 30, cwd=folder, timeout=120,
+                        marker=marker)
+    assert not kill_leftovers(marker), "the lesson left processes running"
+    return result, folder
+
+
+class TestTheLessonCopiedAlone:
+    """The tests that read the one run of the folder copied alone: one class, one worker."""
+
+    def test_it_trains_evaluates_saves_and_samples(self, alone):
+        result, folder = alone
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "backend: gloo (no GPU visible); ddp on 1 rank(s)" in result.stdout
+        line = last_line_matching(r"^validation loss ", result.stdout)
+        assert "(the unigram entropy)" in line and "sample: " in result.stdout
+        assert [p.name[:11] for p in sorted((folder / "out_gpt").glob("step*"))] == ["step0000030"]
+
+    def test_a_second_run_resumes_and_has_nothing_left_to_do(self, alone):
+        _, folder = alone
+        again = subprocess.run([sys.executable, "train_gpt.py", "--steps", "30"], cwd=folder,
+                               capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert "resuming from out_gpt/step0000030-" in again.stdout
+        assert "validation loss" not in again.stdout, "no step left to train"
+
+
+def test_help_names_every_flag_and_break(prove, capsys):
+    shown = assert_help_in_process(prove.main, ["--break", "--lesson", "--claims", "--out-dir"],
+                                   capsys)
+    for name in prove.BREAKS:
+        assert name in shown
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lesson", "no_such_file.py"], "no such file"),
+    (["--break", "no-purge", "--claims", "1"], "leave out --claims"),
+])
+def test_bad_input_is_refused_before_any_rank_starts(prove, capsys, argv, message):
+    assert_refused_in_process(prove.main, argv, capsys, message)
