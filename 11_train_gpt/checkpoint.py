@@ -23,7 +23,7 @@ class BadCheckpoint(Exception):
 
 def sha256(path):
     with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()  # in chunks: checkpoints are large
 
 
 def rng_states(device):
@@ -37,8 +37,8 @@ def rng_states(device):
 
 def fsync_rename(tmp, path):
     """The bytes are on disk before the rename makes them visible, and the rename is on disk."""
-    if os.path.isfile(tmp):
-        with open(tmp, "rb+") as f:
+    for file in [tmp] if os.path.isfile(tmp) else glob.glob(os.path.join(tmp, "*")):
+        with open(file, "rb+") as f:
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if os.name == "posix":
@@ -88,6 +88,8 @@ def verify(path):
         raise BadCheckpoint(f"{manifest} is missing: {path} is not a whole checkpoint")
     with open(manifest) as f:
         listed = dict(line.rstrip("\n").split("  ", 1)[::-1] for line in f if line.strip())
+    if set(listed) != set(os.listdir(path)) - {"sha256.txt"} or "train_state.pt" not in listed:
+        raise BadCheckpoint(f"{manifest} does not list every file of {path}: damaged")
     for name, digest in listed.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file) or sha256(file) != digest:
@@ -115,7 +117,8 @@ def find(folder, config, parallel):
                if state["config"].get(k) != v}
     if changed:
         raise BadCheckpoint(f"{path} was saved with other settings (saved, now: {changed}): "
-                            "resume with the same ones, or use another --out-dir")
+                            "resume with the same ones (global_batch: ranks x --accumulate x "
+                            "--batch-size), or use another --out-dir")
     return path
 
 
@@ -123,7 +126,7 @@ def load(path, model, optimizer, scheduler, parallel, device):
     """Every rank loads onto its own device; returns the step to continue from. On the world size
     that saved it, each rank takes back its own RNG state; on another, it cannot, and reseeds."""
     if parallel == "ddp":
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # no GPU memory peak
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     else:
@@ -138,7 +141,7 @@ def load(path, model, optimizer, scheduler, parallel, device):
     rank, rng = dist.get_rank(), state["rng"]
     if len(rng) == dist.get_world_size():
         torch.set_rng_state(rng[rank]["cpu"].cpu())
-        if device.type == "cuda":
+        if device.type == "cuda" and rng[rank]["cuda"] is not None:  # saved on a GPU
             torch.cuda.set_rng_state(rng[rank]["cuda"].cpu(), device)
     else:
         torch.manual_seed(state["config"]["seed"] + 1000 * state["step"] + rank)

@@ -86,3 +86,10 @@ class GPT(nn.Module):
             next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, next_token], dim=1)
         return idx
+
+
+def sample(model, prompt=b"def ", new_tokens=200, seed=0):
+    """A few bytes the trained model writes after `prompt` (its own generator: no global RNG)."""
+    idx = torch.tensor([list(prompt)], device=next(model.parameters()).device)
+    out = model.generate(idx, new_tokens, top_k=50, generator=torch.Generator().manual_seed(seed))
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")

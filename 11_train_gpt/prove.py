@@ -32,7 +32,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from torch.utils.data import ConcatDataset, DataLoader, Subset  # noqa: E402
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset  # noqa: E402
 
 import course  # noqa: E402
 
@@ -82,11 +82,12 @@ def install(broken, float64, accumulate, kept):
     """Wraps the lesson's functions (its code unchanged) for one run: float64 weights, the break,
     and a capture of the full final weights and of the evaluations' counts into `kept`. Returns
     the function that undoes it all."""
-    saved = {name: getattr(lesson, name) for name in
-             ("make_model", "evaluate", "sample", "micro_batches", "F", "SummaryWriter", "torch")}
+    saved = {name: getattr(lesson, name) for name in ("make_model", "evaluate", "sample",
+             "micro_batches", "F", "SummaryWriter", "torch", "train_step", "make_dataset")}
     saved_rng = torch.set_rng_state
     dtype = torch.float64 if float64 else torch.float32
     lesson.make_model = lambda *a, **k: saved["make_model"](*a, **k).to(dtype)
+    lesson.make_dataset = lambda *a, **k: in_dtype(saved["make_dataset"](*a, **k), dtype)
 
     def counting_evaluate(model, dataset, batch_size, device, autocast):
         if broken == "padded-evaluation":  # DistributedSampler's padding: equal shares, repeats
@@ -107,6 +108,13 @@ def install(broken, float64, accumulate, kept):
     lesson.checkpoint.save = save_and_capture
     lesson.evaluate = counting_evaluate
     lesson.sample = lambda model: saved["sample"](model, new_tokens=8)  # faster, same code
+
+    def timed_step(*args, **kwargs):  # --scaling: each step's seconds
+        start = time.perf_counter()
+        result = saved["train_step"](*args, **kwargs)
+        kept.setdefault("seconds", []).append(time.perf_counter() - start)
+        return result
+    lesson.train_step = timed_step
     if broken == "loss-not-divided":  # the loss K times larger: loss / K is the undivided loss
         lesson.F = SimpleNamespace(cross_entropy=lambda *a, **k: torch.nn.functional.cross_entropy(
             *a, **k) * (accumulate if k.get("reduction", "mean") == "mean" else 1))
@@ -125,6 +133,28 @@ def install(broken, float64, accumulate, kept):
             setattr(lesson, name, value)
         torch.set_rng_state, lesson.checkpoint.save = saved_rng, saved_save
     return undo
+
+
+class InDtype(Dataset):
+    """A dataset whose float inputs come in the lab's dtype, for a model the lab cast to it."""
+
+    def __init__(self, dataset, dtype):
+        self.dataset, self.dtype = dataset, dtype
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        x, y = self.dataset[i]
+        return x.to(self.dtype), y
+
+
+def in_dtype(sets, dtype):
+    """make_dataset's (train, validation, name), float inputs in `dtype`; token ids unchanged."""
+    x = sets[0][0][0]
+    if not (torch.is_tensor(x) and x.is_floating_point()):
+        return sets
+    return InDtype(sets[0], dtype), InDtype(sets[1], dtype), sets[2]
 
 
 def rank_seeded_micro_batches(dataset, step, rank, world_size, accumulate, batch_size, seed):
@@ -230,6 +260,8 @@ def main(argv=None):
                         "its model.py and checkpoint.py (default: this folder's train_gpt.py)")
     parser.add_argument("--claims", type=int, nargs="+", choices=range(1, 7), metavar="N",
                         help="prove only these claims (default: all six)")
+    parser.add_argument("--scaling", type=int, metavar="STEPS", help="instead of the proof: "
+                        "tokens/s per rank on 1 and on 2 ranks (16 windows each), STEPS steps")
     parser.add_argument("--out-dir", help="keep every file here (default: a temporary folder)")
     parser.add_argument("--as-torchrun-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -239,12 +271,16 @@ def main(argv=None):
         course.refuse(f"--lesson {args.lesson}: no such file")
     if args.broken and args.claims:
         course.refuse("--break proves the claims it breaks: leave out --claims")
+    if args.scaling is not None and (args.scaling < 5 or args.broken or args.claims):
+        course.refuse("--scaling STEPS measures, alone: 5 steps or more, no --break or --claims")
     use_lesson(args.lesson)
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="lab11-")
     os.makedirs(out_dir, exist_ok=True)
     if os.listdir(out_dir):
         course.refuse(f"--out-dir {out_dir} is not empty")
     try:
+        if args.scaling:
+            return scaling(args.scaling, out_dir)
         return prove(args.broken, out_dir, set(args.claims or CLAIMS_OF.get(args.broken, CLAIM)))
     finally:
         if not args.out_dir:
@@ -301,6 +337,23 @@ def prove(broken, out_dir, wanted):
           f"on {course.hardware()}", flush=True)
     killed = restart(broken, out_dir) if wanted & {2, 5} else None
     return report(wanted, two, one, three, on_one, killed, out_dir)
+
+
+def scaling(steps, out_dir):
+    """Weak scaling, measured and printed, never asserted: the same 16 windows per rank on 1 rank
+    (here) and on 2 (2 processes); the median step of each (the first is left out: warm-up)."""
+    settings = dict(steps=steps, every=steps, batch_size=16)
+    one = in_this_process("scale-1", dict(settings, out_dir=os.path.join(out_dir, "s1")), None,
+                          out_dir)
+    two = spawn(2, {"scale-2": dict(settings, out_dir=os.path.join(out_dir, "s2"))}, None,
+                out_dir)["scale-2"]
+    tokens = 16 * inspect.signature(lesson.main).parameters["context"].default
+    medians = [sorted(run["seconds"][1:])[(steps - 1) // 2] for run in (one, two)]
+    rates = [tokens / seconds for seconds in medians]
+    print(f"tokens/s per rank, median of {steps - 1} steps of 16 windows each: 1 rank "
+          f"{rates[0]:,.0f}, 2 ranks {rates[1]:,.0f}; weak-scaling efficiency "
+          f"{rates[1] / rates[0]:.2f} on {course.hardware()} (measured, not a proof)", flush=True)
+    return 0
 
 
 def restart(broken, out_dir):

@@ -1,15 +1,16 @@
-r"""Lesson 11, the capstone: a small GPT on real text, with everything lessons 02-09 taught.
+r"""Lesson 11, the capstone: a small GPT on real text, with lessons 04, 05, 07 and 09 together.
 
     python 11_train_gpt/train_gpt.py                                     # one process
-    torchrun --standalone --nproc-per-node=2 11_train_gpt/train_gpt.py   # 2 ranks, DDP
+    torchrun --standalone --nproc-per-node=2 11_train_gpt/train_gpt.py --out-dir out_ddp2
     torchrun --standalone --nproc-per-node=2 --max-restarts=1 11_train_gpt/train_gpt.py \
-        --parallel fsdp --accumulate 2 --precision bf16                  # FSDP2, restarts resume
+        --parallel fsdp --accumulate 2 --precision bf16 --out-dir out_fsdp  # restarts resume
 
 Your own project: replace make_dataset and make_model; nothing else needs to change.
 """
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import glob
 import math
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.tensorboard import SummaryWriter
 
 import checkpoint
-from model import GPT
+from model import GPT, sample
 
 # Real text that every Python installation has: its standard library, split into train and
 # validation by file. Bytes, not characters: 256 tokens, no tokenizer. (The files' bytes differ
@@ -39,8 +40,7 @@ VAL_FILES = ["bisect.py", "colorsys.py", "fnmatch.py", "queue.py", "sched.py"]
 
 
 class Windows(Dataset):
-    """Non-overlapping windows of `context` tokens and the same shifted by one (the targets), so
-    that an evaluation can count every token once."""
+    """Non-overlapping windows of tokens, and the next tokens (the targets): each counted once."""
 
     def __init__(self, tokens, context):
         self.tokens, self.context = tokens, context
@@ -59,12 +59,10 @@ def make_dataset(data, context):
         tokens = torch.frombuffer(bytearray(open(data, "rb").read()), dtype=torch.uint8)
         cut, what = int(0.9 * len(tokens)), f"{data}, bytes"
         return Windows(tokens[:cut], context), Windows(tokens[cut:], context), what
-    stdlib = sysconfig.get_paths()["stdlib"]
-    sets = [torch.frombuffer(bytearray(b"".join(open(os.path.join(stdlib, name), "rb").read()
-                                                for name in names)), dtype=torch.uint8)
-            for names in (TRAIN_FILES, VAL_FILES)]
-    return (*(Windows(t, context) for t in sets),
-            f"Python {sys.version.split()[0]}'s standard library, bytes")
+    read = lambda name: open(os.path.join(sysconfig.get_paths()["stdlib"], name), "rb").read()
+    sets = [Windows(torch.frombuffer(bytearray(b"".join(map(read, names))), dtype=torch.uint8),
+                    context) for names in (TRAIN_FILES, VAL_FILES)]
+    return (*sets, f"Python {sys.version.split()[0]}'s standard library, bytes")
 
 
 def make_model(context, dropout, seed):
@@ -86,9 +84,13 @@ def step_windows(length, step, global_batch, seed):
     windows, start = [], step * global_batch
     while len(windows) < global_batch:
         epoch, offset = divmod(start + len(windows), length)
-        order = torch.randperm(length, generator=torch.Generator().manual_seed(seed + epoch))
-        windows += order[offset: offset + global_batch - len(windows)].tolist()
+        windows += epoch_order(length, seed + epoch)[offset: offset + global_batch - len(windows)]
     return windows
+
+
+@functools.lru_cache(maxsize=2)  # one permutation per epoch, not one per step
+def epoch_order(length, seed):
+    return torch.randperm(length, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def micro_batches(dataset, step, rank, world_size, accumulate, batch_size, seed):
@@ -96,7 +98,7 @@ def micro_batches(dataset, step, rank, world_size, accumulate, batch_size, seed)
     windows = step_windows(len(dataset), step, world_size * accumulate * batch_size, seed)
     mine = windows[rank * accumulate * batch_size: (rank + 1) * accumulate * batch_size]
     # its own generator: iterating a DataLoader draws a seed, which must not come from the global
-    # RNG (dropout's, saved and restored with the checkpoint)
+    # RNG (dropout's, saved and restored with the checkpoint). With num_workers, seed it by step.
     return DataLoader(dataset, batch_size=batch_size, sampler=mine, generator=torch.Generator())
 
 
@@ -191,8 +193,9 @@ def init_distributed(backend, device, timeout):
 
 
 def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, precision="fp32",
-         out_dir="out_gpt", lr=3e-3, dropout=0.0, context=64, seed=0, every=100, timeout=60):
-    """One process = one rank. Returns (model, this run's losses, the step it started from)."""
+         out_dir="out_gpt", lr=3e-3, dropout=0.0, context=64, seed=0, every=100, timeout=600):
+    """One process = one rank. Returns (the model, unwrapped from DDP, this run's losses, the
+    step it started from). timeout: a save hashes the whole checkpoint while the others wait."""
     if "RANK" not in os.environ:  # plain `python`: a world of one, as nanoGPT's train.py does
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # 0: alone, no peer needs it
@@ -203,10 +206,12 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
     if device.type == "cuda":
         torch.cuda.set_device(device)
     train_set, val_set, what = make_dataset(data, context)
-    global_batch = world_size * accumulate * batch_size
+    net, global_batch = make_model(context, dropout, seed), world_size * accumulate * batch_size
     # Every setting that changes the numbers; world size, K and batch size only split the batch.
-    config = dict(data=what, parallel=parallel, steps=steps, global_batch=global_batch, lr=lr,
-                  precision=precision, dropout=dropout, context=context, seed=seed)
+    size = f"{type(net).__name__}: {sum(p.numel() for p in net.parameters())} parameters"
+    config = dict(data=f"{what}: {len(train_set)} + {len(val_set)} samples", model=size, lr=lr,
+                  parallel=parallel, steps=steps, global_batch=global_batch, precision=precision,
+                  dropout=dropout, context=context, seed=seed, clip=1.0, weight_decay=0.1)
     try:
         resume = checkpoint.find(out_dir, config, parallel)  # before any rank starts collectives
     except checkpoint.BadCheckpoint as error:  # one line, from rank 0 only; nothing overwritten
@@ -214,19 +219,23 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     init_distributed(backend, device, timeout)
-    writer = model = optimizer = None
+    writer = model = optimizer = scheduler = None
     try:  # timeout: gloo raises in a stuck collective; NCCL's watchdog aborts the process
+        chosen = [None] * world_size
+        dist.all_gather_object(chosen, resume)  # every rank must read one folder: a shared disk
+        if len(set(chosen)) > 1:
+            raise RuntimeError(f"the ranks found different checkpoints in {out_dir}: {chosen}")
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
             for unfinished in glob.glob(os.path.join(out_dir, "*.tmp")):  # a save that crashed
                 shutil.rmtree(unfinished) if os.path.isdir(unfinished) else os.remove(unfinished)
             print(f"backend: {backend} ({reason}); {parallel} on {world_size} rank(s); global "
-                  f"batch {world_size} x {accumulate} x {batch_size} windows of {context} tokens; "
+                  f"batch {world_size} x {accumulate} x {batch_size} = {global_batch}; "
                   f"{precision}; data: {what}; resuming from {resume}", flush=True)
         dist.barrier()
         dtype = torch.bfloat16 if precision == "bf16" and parallel == "ddp" else None
         autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-        model = wrap(make_model(context, dropout, seed).to(device), parallel, device, precision)
+        model, net = wrap(net.to(device), parallel, device, precision), None
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps // 10, steps))
         torch.manual_seed(seed + 1 + rank)  # each rank its own dropout masks, saved and restored
@@ -235,9 +244,12 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
         if rank == 0:  # purge_step: what a crashed attempt logged after the checkpoint is hidden
             writer = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=start + 1)
         plain = model.module if parallel == "ddp" else model  # DDP's forward is for training
-        losses, clock, tokens = [], time.perf_counter(), global_batch * context
+        unit = "tokens" if isinstance(train_set, Windows) else "targets"  # what a sample predicts
+        tokens = global_batch * torch.as_tensor(train_set[0][1]).numel()  # per step, all ranks
+        losses, clock = [], time.perf_counter()
         for step in range(start, steps):
             batches = micro_batches(train_set, step, rank, world_size, accumulate, batch_size, seed)
+            lr_now = scheduler.get_last_lr()[0]  # this step's learning rate
             loss, norm = train_step(model, batches, optimizer, parallel, autocast, clip=1.0)
             scheduler.step()
             losses.append(loss)
@@ -248,35 +260,28 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
                 val_loss, counted = evaluate(plain, val_set, 4 * batch_size, device, autocast)
                 if rank == 0:
                     rate = tokens * (done - start) / (time.perf_counter() - clock) / world_size
-                    print(f"step {done}/{steps}  loss {loss:.4f}  val {val_loss:.4f} ({counted} "
-                          f"tokens)  lr {scheduler.get_last_lr()[0]:.1e}  {rate:,.0f} tokens/s "
-                          f"per rank  {(steps - done) * tokens / rate / world_size:.0f} s left"
-                          f"; saved {path}", flush=True)
+                    print(f"step {done}/{steps}  loss {loss:.4f} (rank 0)  val {val_loss:.4f} "
+                          f"({counted} {unit})  lr {lr_now:.1e}  {rate:,.0f} {unit}/s per rank  "
+                          f"{(steps - done) * tokens / rate / world_size:.0f} s left; saved {path}",
+                          flush=True)
                     writer.add_scalar("val/loss", val_loss, done)
             if writer:
                 writer.add_scalar("train/loss", loss, done)
                 writer.add_scalar("train/grad_norm", norm, done)
-                writer.add_scalar("train/lr", scheduler.get_last_lr()[0], done)
-        if isinstance(val_set, Windows):  # text: what a context-free model would score, and
-            text = sample(plain)  # a sample (every rank: an FSDP forward is a collective)
+                writer.add_scalar("train/lr", lr_now, done)
+        if unit == "tokens" and hasattr(plain, "generate"):  # what a context-free model scores,
+            text = sample(plain)  # and a sample (every rank: an FSDP forward is a collective)
             if rank == 0 and start < steps:
                 print(f"validation loss {val_loss:.3f} nats per token; a model that ignores the "
                       f"context: {unigram_entropy(val_set):.3f} (the unigram entropy)\n"
                       f"sample: {text!r}", flush=True)
-        return model, losses, start
+        return plain, losses, start
     finally:
         if writer:
             writer.close()
-        model = optimizer = None  # DDP and FSDP hold the process group: release it before
-        gc.collect()  # destroying the group (measured: left to interpreter exit, gloo may abort)
+        model = optimizer = scheduler = plain = None  # DDP and FSDP hold the process group:
+        gc.collect()  # release it before destroying it (left to interpreter exit, gloo may abort)
         dist.destroy_process_group()
-
-
-def sample(model, prompt=b"def ", new_tokens=200, seed=0):
-    """A few bytes the trained model writes after `prompt` (its own generator: no global RNG)."""
-    idx = torch.tensor([list(prompt)], device=next(model.parameters()).device)
-    out = model.generate(idx, new_tokens, top_k=50, generator=torch.Generator().manual_seed(seed))
-    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
 if __name__ == "__main__":  # torchrun runs this file once per rank
