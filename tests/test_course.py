@@ -2,7 +2,6 @@
 sets (a short script a reader copies, a lab beside it), the main line reads as a chain of diffs, CI
 runs the README's test command, and the quickstart runner finds and runs every lesson."""
 import ast
-import json
 import re
 import subprocess
 import sys
@@ -187,52 +186,3 @@ def test_runner_rejects_an_unknown_lesson():
     result = subprocess.run([sys.executable, "run_lessons.py", "--only", "99"], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "no lesson matches" in result.stderr
-
-
-# --- one command runs every lab on a GPU (run_lessons.py --gpu); rehearsed here on the CPU ---------
-
-def test_the_gpu_plan_covers_every_lab_and_asks_for_the_gpus():
-    import run_lessons
-    lessons = dict(run_lessons.lesson_commands())
-    assert set(lessons) == {d.name for d in LESSONS}
-    with_flag = {d.name for d in LESSONS if "add_device_flag" in (d / "prove.py").read_text()}
-    for name, command in lessons.items():
-        one, four = (run_lessons.on_device(name, command, "cuda", g) for g in (1, 4))
-        assert one.startswith(command) and four.startswith(command)
-        assert ("--device cuda" in one) == (name in with_flag), name
-        if '"--world-size"' in (REPO / name / "prove.py").read_text():
-            assert "--world-size 4" in four and "--world-size" not in one, name
-
-
-def test_the_proof_line_gives_the_difference_and_the_tolerance():
-    from run_lessons import proof_of
-    line = ("PROOF PASSED: 2 ranks end with identical weights (max |dw| between ranks 0.0e+00, "
-            "against one process 3.0e-08, tolerance 1e-05)\n")
-    assert proof_of("backend: gloo\n" + line) == (
-        True, "max |dw| between ranks 0.0e+00, against one process 3.0e-08", "1e-05")
-    assert proof_of(line.replace("PASSED", "FAILED"))[0] is False
-    assert proof_of("no proof here\n") is None
-
-
-def test_gpu_without_a_gpu_is_refused_in_one_line():
-    result = subprocess.run([sys.executable, "run_lessons.py", "--gpu", "--only", "01"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60,
-                            env=dict(lesson_env("gpu"), CUDA_VISIBLE_DEVICES=""))
-    assert result.returncode == 2 and "--gpu needs a GPU and none is visible" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
-
-
-@pytest.mark.timeout(120)
-def test_the_gpu_plan_rehearsed_on_the_cpu_writes_a_row_per_lab(lesson, tmp_path):
-    results = tmp_path / "results.json"
-    result = subprocess.run([sys.executable, "run_lessons.py", "--gpu-plan-on-cpu", "--only", "01",
-                             "--results", str(results)], cwd=REPO, capture_output=True, text=True,
-                            timeout=110, env=lesson_env(lesson.tag))
-    assert result.returncode == 0, result.stderr[-2000:]
-    saved = json.loads(results.read_text())
-    assert "cores" in saved["hardware"] and "torch" in saved["hardware"]
-    [row] = saved["labs"]
-    assert row["lab"] == "01_dataparallel" and row["command"].endswith("--device cpu")
-    assert (row["exit"], row["proof"], row["device"], row["world_size"]) == (0, "PASSED", "cpu", 2)
-    assert "final max |dw|" in row["difference"] and row["tolerance"] == "1e-06"
-    assert row["seconds"] > 0
