@@ -109,10 +109,17 @@ def install(broken, float64, accumulate, kept):
     lesson.evaluate = counting_evaluate
     lesson.sample = lambda model: saved["sample"](model, new_tokens=8)  # faster, same code
 
-    def timed_step(*args, **kwargs):  # --scaling: each step's seconds
-        start = time.perf_counter()
+    def timed_step(*args, **kwargs):  # --scaling: each step's seconds, and steps 3-5 profiled
+        start, number = time.perf_counter(), len(kept.setdefault("seconds", [])) + 1
+        if kept.get("profile") and number == 3:
+            kept["profiler"] = torch.profiler.profile(activities=[
+                torch.profiler.ProfilerActivity.CPU])
+            kept["profiler"].start()
         result = saved["train_step"](*args, **kwargs)
-        kept.setdefault("seconds", []).append(time.perf_counter() - start)
+        kept["seconds"].append(time.perf_counter() - start)
+        if kept.get("profiler") and number == 5:
+            kept["profiler"].stop()
+            kept.pop("profiler").export_chrome_trace(kept["profile"])
         return result
     lesson.train_step = timed_step
     if broken == "loss-not-divided":  # the loss K times larger: loss / K is the undivided loss
@@ -178,6 +185,8 @@ def run_jobs(rank, world_size, port, jobs, broken, out_dir, path):
 def run_one(name, job, broken, out_dir, rank=0):
     job = dict(job)
     kept, float64 = {}, job.pop("float64", False)
+    if job.pop("profile", False):
+        kept["profile"] = os.path.join(out_dir, f"trace-rank{rank}.json")
     undo = install(broken, float64, job.get("accumulate", 1), kept)
     try:
         with open(os.path.join(out_dir, f"{name}.log"), "a") as log, redirect_stdout(log):
@@ -345,15 +354,48 @@ def scaling(steps, out_dir):
     settings = dict(steps=steps, every=steps, batch_size=16)
     one = in_this_process("scale-1", dict(settings, out_dir=os.path.join(out_dir, "s1")), None,
                           out_dir)
-    two = spawn(2, {"scale-2": dict(settings, out_dir=os.path.join(out_dir, "s2"))}, None,
-                out_dir)["scale-2"]
+    two = spawn(2, {"scale-2": dict(settings, out_dir=os.path.join(out_dir, "s2"),
+                                    profile=True)}, None, out_dir)["scale-2"]
     tokens = 16 * inspect.signature(lesson.main).parameters["context"].default
     medians = [sorted(run["seconds"][1:])[(steps - 1) // 2] for run in (one, two)]
     rates = [tokens / seconds for seconds in medians]
     print(f"tokens/s per rank, median of {steps - 1} steps of 16 windows each: 1 rank "
           f"{rates[0]:,.0f}, 2 ranks {rates[1]:,.0f}; weak-scaling efficiency "
           f"{rates[1] / rates[0]:.2f} on {course.hardware()} (measured, not a proof)", flush=True)
+    picture = draw_profile(out_dir)
+    print(f"steps 3-5 of the 2 ranks, profiled: {out_dir}/trace-rank0.json and rank1 (open them in "
+          f"chrome://tracing or Perfetto); drawn in {picture}", flush=True)
     return 0
+
+
+KINDS = {"forward": ("DistributedDataParallel.forward",), "backward": ("autograd::engine",),
+         "all-reduce": ("gloo:all_reduce", "allreduce", "all_reduce"),
+         "optimizer": ("Optimizer.step",)}
+
+
+def draw_profile(out_dir):
+    """One lane per kind of work and rank, from the profiler's traces: where a step's time goes,
+    and whether the all-reduces overlap the backward pass."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 3.2), dpi=90)
+    start, lanes = None, []
+    for rank in (0, 1):
+        events = [e for e in json.load(open(os.path.join(out_dir, f"trace-rank{rank}.json")))[
+            "traceEvents"] if e.get("ph") == "X"]
+        start = start or min(e["ts"] for e in events)
+        for colour, (kind, names) in zip("C0 C1 C3 C2".split(), KINDS.items()):
+            spans = [((e["ts"] - start) / 1e3, e["dur"] / 1e3) for e in events
+                     if any(n in e["name"] for n in names)]
+            ax.broken_barh(spans, (len(lanes) - 0.4, 0.8), color=colour)
+            lanes.append(f"rank {rank} {kind}")
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("milliseconds (3 steps; each rank's clock from rank 0's first event)")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "profile.png")
+    fig.savefig(path)
+    return path
 
 
 def restart(broken, out_dir):

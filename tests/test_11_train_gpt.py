@@ -3,6 +3,7 @@
 The lab's whole proof and one break run once each as the README shows them (shared with the
 README's output test); the other breaks, the data stream, the checkpoints' guard rails and the
 lesson copied alone are tested here, in this process (a world of one) where no rank must start."""
+import json
 import os
 import re
 import shutil
@@ -251,6 +252,19 @@ class TestTheLessonCopiedAlone:
         assert again.returncode == 0, again.stderr[-2000:]
         assert "resuming from out_gpt/step0000030-" in again.stdout
         assert "validation loss" not in again.stdout, "no step left to train"
+
+
+def test_the_profile_picture_draws_each_kind_of_work_from_the_traces(prove, tmp_path):
+    """--scaling's picture, from two small traces of the profiler's format (no run here)."""
+    names = {"forward": "DistributedDataParallel.forward", "backward": "autograd::engine::x",
+             "all-reduce": "gloo:all_reduce", "optimizer": "Optimizer.step#AdamW.step"}
+    for rank in (0, 1):
+        events = [{"ph": "X", "name": name, "ts": 1000 * n + rank, "dur": 500}
+                  for n, name in enumerate(names.values())]
+        (tmp_path / f"trace-rank{rank}.json").write_text(json.dumps({"traceEvents": events}))
+    assert set(prove.KINDS) == set(names)
+    path = prove.draw_profile(str(tmp_path))
+    assert path.endswith("profile.png") and os.path.getsize(path) > 1000
 
 
 def test_help_names_every_flag_and_break(prove, capsys):
