@@ -59,7 +59,9 @@ def make_dataset(data, context):
         tokens = torch.frombuffer(bytearray(open(data, "rb").read()), dtype=torch.uint8)
         cut, what = int(0.9 * len(tokens)), f"{data}, bytes"
         return Windows(tokens[:cut], context), Windows(tokens[cut:], context), what
-    read = lambda name: open(os.path.join(sysconfig.get_paths()["stdlib"], name), "rb").read()
+    def read(name):  # a module that is a package in a later Python (difflib): its __init__.py
+        path = os.path.join(sysconfig.get_paths()["stdlib"], name)
+        return open(path if os.path.exists(path) else path[:-3] + "/__init__.py", "rb").read()
     sets = [Windows(torch.frombuffer(bytearray(b"".join(map(read, names))), dtype=torch.uint8),
                     context) for names in (TRAIN_FILES, VAL_FILES)]
     return (*sets, f"Python {sys.version.split()[0]}'s standard library, bytes")

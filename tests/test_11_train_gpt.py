@@ -85,6 +85,19 @@ def test_a_steps_windows_are_the_same_on_1_2_and_3_ranks(lesson):
             assert sorted(sum(shares, [])) == sorted(expected), (step, world)
 
 
+def test_a_module_that_became_a_package_is_read_from_its_init(lesson, tmp_path, monkeypatch):
+    """CPython's source already has difflib as a package (Lib/difflib/__init__.py): a Python
+    without difflib.py must still find the corpus."""
+    for name in lesson.TRAIN_FILES + lesson.VAL_FILES:
+        (tmp_path / name).write_bytes(name.encode() * 40)
+    (tmp_path / "difflib.py").unlink()
+    (tmp_path / "difflib").mkdir()
+    (tmp_path / "difflib" / "__init__.py").write_bytes(b"package " * 40)
+    monkeypatch.setattr(lesson.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    train_set, _, _ = lesson.make_dataset(None, 8)
+    assert b"package " in bytes(train_set.tokens.tolist())
+
+
 def test_an_epoch_sees_every_window_once_and_drops_none(lesson):
     n, batch = 100, 24  # 100 windows, steps of 24: epochs end mid-step
     stream = sum((lesson.step_windows(n, s, batch, seed=3) for s in range(25)), [])  # 6 epochs
