@@ -43,6 +43,8 @@ def use_lesson(path):
     """Imports the training script at `path` as `lesson`, with the model.py and checkpoint.py of
     ITS folder: the lab proves your copy as it proves the course's."""
     global lesson
+    if lesson is not None and os.path.abspath(lesson.__file__) == os.path.abspath(path):
+        return  # already imported (a forked rank inherits the parent's import)
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     for sibling in ("model", "checkpoint"):
         sys.modules.pop(sibling, None)
@@ -241,13 +243,20 @@ def spawn(world_size, jobs, broken, out_dir):
             for name in jobs}
 
 
+def forget_world():
+    """Removes torchrun's variables, which main() sets for a world of one: the next run in this
+    process must not take them for torchrun's."""
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        os.environ.pop(key, None)
+
+
 def in_this_process(name, job, broken, out_dir):
     """A world of one, here: what `python train_gpt.py` runs."""
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    run_one(name, job, broken, out_dir)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        os.environ.pop(key, None)
+    forget_world()
+    try:
+        run_one(name, job, broken, out_dir)
+    finally:
+        forget_world()
     return torch.load(os.path.join(out_dir, f"{name}.pt"), weights_only=True)
 
 

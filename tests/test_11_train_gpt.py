@@ -33,18 +33,13 @@ def lesson(prove):
     return prove.lesson
 
 
-def world_of_one_env():
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        os.environ.pop(key, None)
-
-
 @pytest.fixture
-def world_of_one(monkeypatch):
+def world_of_one(prove):
     """main() in this process sets torchrun's variables for a world of one: undo that after."""
     threads = torch.get_num_threads()
-    world_of_one_env()
+    prove.forget_world()
     yield
-    world_of_one_env()
+    prove.forget_world()
     torch.set_num_threads(threads)
 
 
@@ -127,19 +122,19 @@ def test_evaluation_in_a_world_of_one_counts_every_target_once(prove, lesson, wo
     assert kept["counted"] == [len(val_set) * 64]
 
 
-def run_main(lesson, folder, capsys=None, **settings):
-    world_of_one_env()
+def run_main(prove, folder, **settings):
+    """The lesson's main() in a world of one, here; torchrun's variables removed after it."""
     try:
-        return lesson.main(out_dir=str(folder), batch_size=4, **settings)
+        return prove.lesson.main(out_dir=str(folder), batch_size=4, **settings)
     finally:
-        world_of_one_env()
+        prove.forget_world()
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing(
-        lesson, world_of_one, tmp_path, capsys, parallel):
+        prove, world_of_one, tmp_path, capsys, parallel):
     folder = tmp_path / "run"
-    run_main(lesson, folder, steps=2, every=1, parallel=parallel)
+    run_main(prove, folder, steps=2, every=1, parallel=parallel)
     saved = sorted(p.name for p in folder.iterdir() if p.name.startswith("step"))
     assert len(saved) == 2, saved  # this one and the one before it
     newest = folder / saved[-1]
@@ -150,7 +145,7 @@ def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing
         before = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
         capsys.readouterr()
         with pytest.raises(SystemExit) as stop:
-            run_main(lesson, folder, **{"steps": 2, "every": 1, "parallel": parallel, **settings})
+            run_main(prove, folder, **{"steps": 2, "every": 1, "parallel": parallel, **settings})
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err, err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -171,14 +166,14 @@ def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing
         refused("does not list every file")
         manifest.write_text(listed)
     # whole again: it resumes at its last step, with nothing left to do
-    assert run_main(lesson, folder, steps=2, every=1, parallel=parallel)[2] == 2
+    assert run_main(prove, folder, steps=2, every=1, parallel=parallel)[2] == 2
 
 
-def test_a_crashed_saves_tmp_is_never_resumed(lesson, world_of_one, tmp_path):
+def test_a_crashed_saves_tmp_is_never_resumed(prove, world_of_one, tmp_path):
     folder = tmp_path / "run"
-    run_main(lesson, folder, steps=2, every=1, parallel="fsdp")
+    run_main(prove, folder, steps=2, every=1, parallel="fsdp")
     os.rename(folder / "step0000002", folder / "step0000002.tmp")  # as if it crashed mid-save
-    _, losses, start = run_main(lesson, folder, steps=2, every=1, parallel="fsdp")
+    _, losses, start = run_main(prove, folder, steps=2, every=1, parallel="fsdp")
     assert start == 1 and len(losses) == 1
     assert not list(folder.glob("*.tmp")), "main() clears a crashed save's folder"
 
