@@ -1,8 +1,7 @@
 r"""Lesson 05: lesson 04 launched by torchrun, which restarts the ranks after a crash (with
 --max-restarts); they resume from the last checkpoint.
 
-    torchrun --standalone --nproc-per-node=2 --max-restarts=1 \
-        05_torchrun_elastic/torchrun_elastic.py
+  torchrun --standalone --nproc-per-node=2 --max-restarts=1 05_torchrun_elastic/torchrun_elastic.py
     python 05_torchrun_elastic/torchrun_elastic.py    # plain python: a world of one process
 """
 import argparse
@@ -195,6 +194,7 @@ if __name__ == "__main__":  # torchrun runs this file once per rank
     parser.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
     parser.add_argument("--batch-size", type=int, default=16, help="per rank (default 16)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--ckpt-dir", default="checkpoints", help="folder (default checkpoints)")
-    args = parser.parse_args()
-    main(args.epochs, args.batch_size, args.lr, args.ckpt_dir)
+    parser.add_argument("--ckpt-dir", default="checkpoints", dest="folder", help="every node sees")
+    parser.add_argument("--timeout", type=float, default=60,
+                        help="seconds before a stuck rendezvous or collective raises (default 60)")
+    main(**vars(parser.parse_args()))
