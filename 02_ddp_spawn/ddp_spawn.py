@@ -74,6 +74,8 @@ def find_free_port():
 def worker(rank, world_size, port, backend, epochs, batch_size, lr, timeout=60):
     """One process = one rank = one replica; mp.spawn calls it with rank 0 .. world_size-1.
     Returns the trained model and this rank's losses (prove.py keeps them; mp.spawn does not)."""
+    # mp.spawn starts every rank on this one machine, so the rank is the GPU's index. On several
+    # nodes, the GPU's index on its node: int(os.environ["LOCAL_RANK"]) under torchrun (lesson 05).
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

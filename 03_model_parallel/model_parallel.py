@@ -56,6 +56,7 @@ def find_free_port():
 
 
 def join_group(rank, world_size, port, backend, timeout, gpus_per_rank):
+    # mp.spawn: ONE machine, so rank r owns GPUs r*k .. r*k+k-1 (several nodes: LOCAL_RANK * k)
     devices = ([torch.device("cuda", gpus_per_rank * rank + i) for i in range(gpus_per_rank)]
                if backend == "nccl" else [torch.device("cpu")] * gpus_per_rank)
     if backend == "nccl":
@@ -146,5 +147,4 @@ if __name__ == "__main__":  # required: mp.spawn re-imports this file in every c
     parser.add_argument("--microbatches", type=int, default=4, help="per pipeline step (default 4)")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
     parser.add_argument("--batch-size", type=int, default=16, help="per DDP rank (default 16)")
-    args = parser.parse_args()
-    main(args.world_size, args.schedule, args.microbatches, args.epochs, args.batch_size)
+    main(**vars(parser.parse_args()))

@@ -138,8 +138,8 @@ def find_free_port():
 
 
 def worker(rank, world_size, port, backend, epochs, batch_size, lr, folder, resume, timeout=60):
-    """One process = one rank = one replica; mp.spawn calls it with rank 0 .. world_size-1.
-    Returns the model, this run's losses and the step it started from (for prove.py)."""
+    """One rank; mp.spawn starts ranks 0 .. world_size-1 on ONE machine, so the rank is the GPU
+    (several nodes: LOCAL_RANK, lesson 05). Returns the model, losses and the first step."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

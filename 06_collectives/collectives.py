@@ -96,8 +96,8 @@ def find_free_port():
 
 def worker(rank, world_size, port, backend, epochs, batch_size, bucket_kb, ring, lr=0.05,
            timeout=60):
-    """One process = one rank = one replica, without DDP: it averages the gradients itself.
-    Returns the trained model and this rank's losses (prove.py keeps them; mp.spawn does not)."""
+    """One rank, without DDP: it averages the gradients itself. Returns the model and the losses.
+    mp.spawn: ranks on ONE machine, so rank = GPU index (several nodes: LOCAL_RANK, lesson 05)."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

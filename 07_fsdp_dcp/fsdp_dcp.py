@@ -100,7 +100,7 @@ def find_free_port():
 
 
 def worker(rank, world_size, port, backend, epochs, batch_size, lr, folder, resume, timeout=60):
-    """One process = one rank = 1/N of everything. Returns this rank's losses."""
+    """Holds 1/N of all. mp.spawn: ONE machine, so rank = GPU (several nodes: LOCAL_RANK, 05)."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -98,8 +98,8 @@ def find_free_port():
 
 def worker(rank, world_size, port, backend, epochs, accumulate, precision, log_dir,
            batch_size=16, lr=0.05, max_norm=1.0, timeout=60):
-    """One process = one rank = one replica; mp.spawn calls it with rank 0 .. world_size-1.
-    Returns the trained model and the gradient norms (prove.py keeps them; mp.spawn does not)."""
+    """One rank; mp.spawn starts ranks 0 .. world_size-1 on ONE machine, so the rank is the GPU
+    (several nodes: LOCAL_RANK, lesson 05). Returns the trained model and the gradient norms."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

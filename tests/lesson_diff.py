@@ -5,8 +5,8 @@ real diff's hunks (each one whole, unchanged, in order); a README may leave hunk
     python tests/lesson_diff.py 00_single_process/single_process.py 02_ddp_spawn/ddp_spawn.py
     python tests/lesson_diff.py --refresh 06_collectives/README.md   # after editing a lesson
 
---refresh rewrites each diff block of a README with the current hunks that start at the same line
-of the earlier lesson (the one it diffs from), so the README keeps the hunks it chose.
+--refresh rewrites each diff block of a README with today's hunks most like the ones it shows,
+so the README keeps the hunks it chose.
 """
 import difflib
 import re
@@ -45,11 +45,20 @@ def kept_fraction(before, after):
 
 
 def refresh(readme):
-    """Each `<!-- diff: A B -->` block of `readme` rewritten with today's hunks (see the docstring)."""
+    """Each `<!-- diff: A B -->` block of `readme` rewritten with today's hunks (see the docstring).
+    A shown hunk is matched to today's hunk most like it (not by line number: an edit above it in
+    either lesson moves it); one with no match at all stops the refresh with its first line."""
     def block(match):
         header, hunks = split_hunks(lesson_diff(REPO / match.group(1), REPO / match.group(2)))
-        by_start = {hunk.split()[1]: hunk for hunk in hunks}  # "-35,4": where it starts in A
-        kept = [by_start[h.split()[1]] for h in split_hunks(match.group(3))[1] if h.split()[1] in by_start]
+        kept = []
+        for shown in split_hunks(match.group(3))[1]:
+            body = lambda hunk: hunk.split("\n", 1)[1]  # noqa: E731 (without its @@ line)
+            score, best = max((difflib.SequenceMatcher(None, body(shown), body(h)).ratio(), h)
+                              for h in hunks)
+            if score < 0.5:
+                raise SystemExit(f"{readme}: no hunk of today's diff is like {shown.splitlines()[0]}")
+            kept += [best] if best not in kept else []
+        kept.sort(key=hunks.index)
         return f"{match.group(0).split(chr(10))[0]}\n```diff\n{header}{''.join(kept)}```"
     pattern = r"<!--\s*diff:\s*(\S+)\s+(\S+)\s*-->\n```diff\n(.*?)```"
     readme.write_text(re.sub(pattern, block, readme.read_text(), flags=re.S))

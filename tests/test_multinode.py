@@ -262,3 +262,163 @@ def tensors(tree):
     if isinstance(tree, (list, tuple)):
         return [t for item in tree for t in tensors(item)]
     return []
+
+
+# -------------------------------------------------------------------- two network namespaces
+def run_in(host, command, env, log):
+    """`ip netns exec HOST command`: a process that sees only that host's network."""
+    out = open(log, "w")
+    return subprocess.Popen(["ip", "netns", "exec", host, *command], cwd=REPO, env=env,
+                            stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def torchrun_on(host, address, endpoint, is_host, folder, *lesson_args, rdzv_id="lesson05"):
+    """One node of a two-node c10d job: each setting is one NOTES.md found needed."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
+            f"--rdzv-conf=is_host={int(is_host)},join_timeout=30,read_timeout=10",
+            f"--local-addr={address}", "05_torchrun_elastic/torchrun_elastic.py",
+            "--ckpt-dir", str(folder), *map(str, lesson_args)]
+
+
+def received_bytes(host, interface):
+    text = subprocess.run(["ip", "-n", host, "-s", "link", "show", interface], capture_output=True,
+                          text=True, check=True).stdout
+    return int(text.split("RX:")[1].splitlines()[1].split()[0])
+
+
+@pytest.fixture(scope="class")
+def hosts():
+    """Two "hosts": network namespaces joined by a veth pair, each with an address of its own.
+    The run's files are shared (one machine), as a cluster's shared file system would be."""
+    require(sys.platform.startswith("linux"), "network namespaces need Linux")
+    require(os.geteuid() == 0, "creating network namespaces needs root")
+    require(shutil.which("ip"), "the ip command (iproute2) is not installed")
+    tag = f"{os.getpid() % 100000}{uuid.uuid4().hex[:3]}"
+    names, subnet = [f"course{tag}a", f"course{tag}b"], f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    interfaces, addresses = [f"v{tag}a", f"v{tag}b"], [f"{subnet}.1", f"{subnet}.2"]
+    try:
+        for name in names:
+            subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+        subprocess.run(["ip", "link", "add", interfaces[0], "netns", names[0], "type", "veth",
+                        "peer", "name", interfaces[1], "netns", names[1]], check=True)
+        for name, interface, address in zip(names, interfaces, addresses):
+            for command in (["addr", "add", f"{address}/24", "dev", interface],
+                            ["link", "set", interface, "up"], ["link", "set", "lo", "up"]):
+                subprocess.run(["ip", "-n", name, *command], check=True)
+    except subprocess.CalledProcessError as error:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        require(False, f"network namespaces do not work here: {error.stderr or error}")
+    yield {"names": names, "interfaces": interfaces, "addresses": addresses,
+           "unreachable": f"{subnet}.9"}
+    for name in names:  # removes the veth pair too
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+class TestTwoHosts:
+    """Lesson 05 on two hosts with their own addresses, GLOO_SOCKET_IFNAME set; and the two
+    mistakes that used to hang, each a clear error within its timeout."""
+
+    def test_two_hosts_train_and_end_equal_to_one_machine(self, hosts, tmp_path):
+        names, interfaces, addresses = hosts["names"], hosts["interfaces"], hosts["addresses"]
+        env = job_env(tmp_path, OMP_NUM_THREADS="1")  # as torchrun sets for 2 ranks on one machine
+        endpoint, folder = f"{addresses[0]}:29411", tmp_path / "checkpoints"
+        before = [received_bytes(n, i) for n, i in zip(names, interfaces)]
+        runs = [run_in(names[i], torchrun_on(names[i], addresses[i], endpoint, i == 0, folder),
+                       dict(env, GLOO_SOCKET_IFNAME=interfaces[i]), tmp_path / f"host{i}.log")
+                for i in range(2)]
+        one_machine = subprocess.Popen(  # the same world size on one machine, meanwhile
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             "05_torchrun_elastic/torchrun_elastic.py", "--ckpt-dir", tmp_path / "one_machine"],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        codes = [run.wait(timeout=90) for run in [*runs, one_machine]]
+        logs = [(tmp_path / f"host{i}.log").read_text() for i in range(2)]
+        assert codes == [0, 0, 0], logs
+        assert "world size 2" in logs[0] + logs[1] and "trained 16 steps after step 0" in logs[0] + logs[1]
+        final = [torch.load(glob.glob(str(tmp_path / f"{folder}/step0000016-*.pt"))[0],
+                            weights_only=True) for folder in ("checkpoints", "one_machine")]
+        for part in ("model", "optimizer", "rng"):
+            assert same_tensors(final[0][part], final[1][part]), part
+        # The gradients crossed the cable: 16 all-reduces of 1,604 float32 gradients each way, at least.
+        crossed = [received_bytes(n, i) - b for n, i, b in zip(names, interfaces, before)]
+        assert min(crossed) >= 16 * 1604 * 4, crossed
+
+    def test_a_wrong_interface_and_an_unreachable_host_fail_within_their_timeouts(self, hosts, tmp_path):
+        names, addresses = hosts["names"], hosts["addresses"]
+        env = job_env(tmp_path, OMP_NUM_THREADS="1")
+        endpoint, start = f"{addresses[0]}:29412", time.monotonic()
+        # GLOO_SOCKET_IFNAME=lo on both: each rank tells the other its loopback address
+        wrong = [run_in(names[i], torchrun_on(names[i], addresses[i], endpoint, i == 0,
+                                              tmp_path / "wrong", "--timeout", 5, rdzv_id="wrong"),
+                        dict(env, GLOO_SOCKET_IFNAME="lo"), tmp_path / f"wrong{i}.log")
+                 for i in range(2)]
+        # a rendezvous endpoint nobody answers at (read_timeout=10 s)
+        lost = run_in(names[1], torchrun_on(names[1], addresses[1], f"{hosts['unreachable']}:29413",
+                                            False, tmp_path / "lost", rdzv_id="lost"),
+                      env, tmp_path / "lost.log")
+        # The rank that dials its peer's loopback is refused, and fails within --timeout; its peer,
+        # waiting to be dialled, would wait for gloo's own connect timeout (about 30 s measured),
+        # so it is stopped as `srun --kill-on-bad-exit=1` stops it: SIGTERM when the first fails.
+        while all(run.poll() is None for run in wrong) and time.monotonic() - start < 60:
+            time.sleep(0.1)
+        first = time.monotonic() - start
+        for run in wrong:
+            if run.poll() is None:
+                run.terminate()
+        codes = [run.wait(timeout=30) for run in [*wrong, lost]]
+        assert codes[2] == 1 and sorted(codes[:2])[-1] != 0 and 0 not in codes, codes
+        assert first < 20, f"{first:.0f} s"  # --timeout 5, and the launch
+        assert time.monotonic() - start < 30, f"{time.monotonic() - start:.0f} s"  # read_timeout 10
+        wrong_logs = "".join((tmp_path / f"wrong{i}.log").read_text() for i in range(2))
+        assert re.search(r"Gloo connectFullMesh failed .*Connection refused, remote=\[127\.0\.0\.1\]",
+                         wrong_logs), wrong_logs[-3000:]
+        lost_log = (tmp_path / "lost.log").read_text()
+        assert f"failed to connect to any network address of ({hosts['unreachable']}, 29413)" in lost_log
+        assert "RendezvousConnectionError" in lost_log
+
+
+# ------------------------------------------------------------- local_slurm.py's guard rails
+@pytest.fixture
+def local_slurm():
+    from conftest import load_script
+    return load_script("05_torchrun_elastic/local_slurm.py")
+
+
+def refusal(capsys, call):
+    with pytest.raises(SystemExit) as stopped:
+        call()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_local_slurm_refuses_without_root_or_slurm_in_one_line(local_slurm, monkeypatch, capsys):
+    monkeypatch.setattr(local_slurm.sys, "platform", "linux")
+    monkeypatch.setattr(local_slurm.os, "geteuid", lambda: 1000)
+    assert "needs root" in refusal(capsys, lambda: local_slurm.main(["up"]))
+    monkeypatch.setattr(local_slurm.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(local_slurm.shutil, "which", lambda name, path=None: None)
+    assert "apt-get install slurm-wlm munge" in refusal(capsys, lambda: local_slurm.main(["up"]))
+    monkeypatch.setattr(local_slurm.sys, "platform", "darwin")
+    assert "needs Linux" in refusal(capsys, lambda: local_slurm.main(["down"]))
+
+
+def test_local_slurm_overwrites_nothing_and_downs_only_what_it_started(local_slurm, monkeypatch,
+                                                                       capsys, tmp_path):
+    monkeypatch.setattr(local_slurm, "check_machine", lambda: None)
+    (tmp_path / "mine.txt").write_text("keep")
+    assert "not empty" in refusal(capsys, lambda: local_slurm.main(
+        ["up", "--state-dir", str(tmp_path)]))
+    assert (tmp_path / "mine.txt").read_text() == "keep" and len(list(tmp_path.iterdir())) == 1
+    assert "no cluster was started" in refusal(capsys, lambda: local_slurm.main(
+        ["down", "--state-dir", str(tmp_path)]))
+    assert "--nodes must be" in refusal(capsys, lambda: local_slurm.main(["up", "--nodes", "0"]))
+
+
+def test_the_sbatch_scripts_ask_for_no_gpu_and_pass_bash_n():
+    for script in ("05_torchrun_elastic/train.sbatch", "11_train_gpt/train.sbatch"):
+        text = (REPO / script).read_text()
+        directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+        assert not [d for d in directives if "gpu" in d or "gres" in d], directives  # CPU clusters
+        assert subprocess.run(["bash", "-n", REPO / script]).returncode == 0
