@@ -5,14 +5,15 @@
     export SLURM_CONF=/tmp/course-slurm/slurm.conf
     sinfo; srun -N2 hostname; sbatch 05_torchrun_elastic/train.sbatch; squeue; scancel JOBID
     sudo python3 05_torchrun_elastic/local_slurm.py down # every daemon and job process stopped
+    unset SLURM_CONF
 
 Root, Linux, no systemd needed: a munged, a slurmctld and one slurmd per node run in the
 foreground of their own sessions, each with its own port, its state, logs and PID in one folder
 (--state-dir). The "nodes" are names: both reach 127.0.0.1 (NodeAddr), and they share this
 machine's CPUs and files, so a shared file system comes free. Jobs run as root. No cgroups:
 proctrack/linuxproc follows a job's processes by parent, which is what `scancel` kills.
-`down` cancels the jobs, stops the daemons by the PIDs that `up` wrote, then stops any process
-still carrying this cluster's SLURM_CONF (a job step outlives slurmd otherwise), and removes the
+`down` cancels the jobs, stops the daemons by the PIDs that `up` wrote, then any job step or job
+process of this cluster still running (a job step outlives slurmd otherwise), and removes the
 folder. Only the standard library: it runs before any virtual environment exists.
 """
 import argparse
@@ -206,16 +207,20 @@ def up(state, nodes, cpus):
     print(f"export SLURM_CONF={conf}")
 
 
-def processes_with(variable):
-    """PIDs of the processes whose environment holds `variable` (bytes, NAME=value)."""
-    found = []
+def job_processes(conf):
+    """This cluster's job steps: slurmstepd, and the processes of its jobs (SLURM_JOB_ID), each
+    with this cluster's SLURM_CONF. A learner's shell that exported SLURM_CONF is neither."""
+    found, variable = [], f"SLURM_CONF={conf}".encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if variable in f.read().split(b"\0") and int(pid) != os.getpid():
-                    found.append(int(pid))
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{pid}/comm") as f:
+                stepd = f.read().startswith("slurmstepd")
         except OSError:
-            pass
+            continue
+        if variable in environ and (stepd or any(v.startswith(b"SLURM_JOB_ID=") for v in environ)):
+            found.append(int(pid))
     return found
 
 
@@ -248,7 +253,7 @@ def down(state, quiet=False, keep_logs=False):
                 [which("squeue"), "-h"], env=env, capture_output=True, text=True).stdout.strip():
             time.sleep(0.2)
     stop(daemons[1:][::-1])  # the slurmds, then slurmctld
-    stop(processes_with(f"SLURM_CONF={conf}".encode()))  # job steps that outlived slurmd
+    stop(job_processes(conf))  # job steps that outlived slurmd
     stop(daemons[:1])  # munged last: slurm needs it until the end
     if keep_logs:  # a failed start: the logs say why
         os.remove(pids_file(state))

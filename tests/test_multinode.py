@@ -53,14 +53,15 @@ def alive(pid):
 
 def pids_where(*entries):
     """Live processes whose environment holds every NAME=value in `entries`."""
-    wanted, found = [e.encode() for e in entries], []
+    wanted, found = [e.encode() for e in entries], []  # NAME=value, or NAME with any value
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = f.read().split(b"\0")
         except OSError:
             continue
-        if all(w in environ for w in wanted) and alive(pid):
+        if all(w in environ or b"=" not in w and any(v.startswith(w + b"=") for v in environ)
+               for w in wanted) and alive(pid):
             found.append(int(pid))
     return found
 
@@ -172,11 +173,11 @@ class TestLocalSlurmCluster:
         way. (Against a run never killed: 1.2e-07, DDP's first step after a restart; NOTES.md.)"""
         script, epochs = "05_torchrun_elastic/train.sbatch", 30  # 120 steps
         env, logs = self.env(cluster, tmp_path), [tmp_path / "two.log", tmp_path / "one.log"]
-        jobs = [submit(with_a_killer(env, tmp_path, 3, 12, "killed_two"), script, "--epochs",
-                       epochs, "--ckpt-dir", tmp_path / "two_nodes", out=logs[0]),
-                submit(with_a_killer(dict(env, NPROC_PER_NODE="4"), tmp_path, 3, 12, "killed_one"),
-                       script, "--epochs", epochs, "--ckpt-dir", tmp_path / "one_node", out=logs[1],
-                       nodes=1)]
+        two, one = (dict(env, CHECKPOINTS=str(tmp_path / name)) for name in ("two_nodes", "one_node"))
+        jobs = [submit(with_a_killer(two, tmp_path, 3, 12, "killed_two"), script, "--epochs",
+                       epochs, out=logs[0]),
+                submit(with_a_killer(dict(one, NPROC_PER_NODE="4"), tmp_path, 3, 12, "killed_one"),
+                       script, "--epochs", epochs, out=logs[1], nodes=1)]
         states = wait_for(env, jobs, 120)
         logs = [log.read_text() for log in logs]
         assert states == [("COMPLETED", "0:0")] * 2, logs
@@ -200,11 +201,11 @@ class TestLocalSlurmCluster:
         and another thread count changes a matmul's sums (measured: 2 threads, not bit-equal)."""
         script, steps = "11_train_gpt/train.sbatch", 120  # checkpoints at 100 and 120
         env, logs = self.env(cluster, tmp_path), [tmp_path / "two.log", tmp_path / "one.log"]
-        jobs = [submit(with_a_killer(dict(env, NPROC_PER_NODE="1"), tmp_path, 1, 110, "killed"),
-                       script, "--steps", steps, "--out-dir", tmp_path / "two_nodes", out=logs[0],
-                       cpus_per_task=1),
-                submit(dict(env, NPROC_PER_NODE="2"), script, "--steps", steps, "--out-dir",
-                       tmp_path / "one_node", out=logs[1], nodes=1, cpus_per_task=2)]
+        two, one = (dict(env, OUT_DIR=str(tmp_path / name)) for name in ("two_nodes", "one_node"))
+        jobs = [submit(with_a_killer(dict(two, NPROC_PER_NODE="1"), tmp_path, 1, 110, "killed"),
+                       script, "--steps", steps, out=logs[0], cpus_per_task=1),
+                submit(dict(one, NPROC_PER_NODE="2"), script, "--steps", steps, out=logs[1],
+                       nodes=1, cpus_per_task=2)]
         states = wait_for(env, jobs, 150)
         logs = [log.read_text() for log in logs]
         assert states == [("COMPLETED", "0:0")] * 2, logs
@@ -219,8 +220,8 @@ class TestLocalSlurmCluster:
 
     def test_scancel_leaves_no_process_behind(self, cluster, tmp_path):
         env = self.env(cluster, tmp_path)
-        job = submit(env, "05_torchrun_elastic/train.sbatch", "--epochs", 100000, "--ckpt-dir",
-                     tmp_path / "checkpoints", out=tmp_path / "job.log")
+        job = submit(dict(env, CHECKPOINTS=str(tmp_path / "checkpoints")),
+                     "05_torchrun_elastic/train.sbatch", "--epochs", 100000, out=tmp_path / "job.log")
         deadline = time.monotonic() + 60
         while len(pids_where(f"SLURM_JOB_ID={job}", "TORCHELASTIC_RESTART_COUNT=0")) < 4:
             assert time.monotonic() < deadline, (tmp_path / "job.log").read_text()
@@ -235,15 +236,19 @@ class TestLocalSlurmCluster:
 
     def test_down_stops_every_daemon_and_job(self, cluster, tmp_path):
         env = self.env(cluster, tmp_path)
-        submit(env, "05_torchrun_elastic/train.sbatch", "--epochs", 100000, "--ckpt-dir",
-               tmp_path / "checkpoints", out=tmp_path / "job.log")  # still running at `down`
+        submit(dict(env, CHECKPOINTS=str(tmp_path / "checkpoints")), "05_torchrun_elastic/train.sbatch",
+               "--epochs", 100000, out=tmp_path / "job.log")  # still running at `down`
         daemons = [int(p) for p in (cluster["state"] / "daemons.pid").read_text().split()]
+        bystander = subprocess.Popen(["sleep", "60"], env=env)  # a learner's shell, SLURM_CONF set
         assert len(daemons) == 4  # munged, slurmctld, 2 slurmd
         done = subprocess.run([sys.executable, LOCAL_SLURM, "down", "--state-dir", cluster["state"]],
                               capture_output=True, text=True, timeout=90)
         assert done.returncode == 0, done.stderr
         assert not [pid for pid in daemons if alive(pid)]
-        assert not pids_where(f"SLURM_CONF={cluster['conf']}")
+        assert not pids_where(f"SLURM_CONF={cluster['conf']}", "SLURM_JOB_ID")  # no job's process
+        assert bystander.poll() is None, "down stopped a process that is not the cluster's"
+        bystander.kill()
+        bystander.wait()
         assert not cluster["state"].exists()
 
 
