@@ -22,6 +22,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
@@ -53,9 +54,10 @@ def tied_and_frozen_model(seed=0):
 MODELS = {"plain": overlap.make_model, "tied": tied_and_frozen_model}
 
 
-def ddp_worker(rank, world_size, port, model_name):
+def ddp_worker(rank, world_size, port, model_name, zero=False):
     """The reference: torch's DDP on the lessons' data and loop, each rank's model from its own
-    seed (DDP's constructor broadcasts rank 0's)."""
+    seed (DDP's constructor broadcasts rank 0's); zero=True: with torch's ZeroRedundancyOptimizer.
+    Returns the model and this rank's optimizer-state bytes."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
@@ -63,14 +65,17 @@ def ddp_worker(rank, world_size, port, model_name):
         loader = torch.utils.data.DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler,
                                              generator=torch.Generator().manual_seed(0))
         model = DDP(MODELS[model_name](seed=rank))
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=LR, momentum=0.9) \
+            if zero else torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         for epoch in range(EPOCHS):
             sampler.set_epoch(epoch)
             for x, y in loader:
                 model.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
                 optimizer.step()
-        return model.module
+        local = optimizer.optim if zero else optimizer  # ZeRO's own optimizer: this rank's part
+        return model.module, sum(t.numel() * t.element_size() for s in local.state.values()
+                                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     finally:
         model = optimizer = None
         dist.destroy_process_group()
@@ -129,8 +134,9 @@ def lab_worker(rank, world_size, ports, out_dir, broken, runs):
     torch.set_num_threads(1)
     results = {}
     for (name, model_name, bucket_kb), port in zip(runs, ports):
-        if name.startswith("ddp"):
-            results[name] = (state(ddp_worker(rank, world_size, port, model_name)), None)
+        if name.startswith(("ddp", "torch-zero")):
+            model, state_bytes = ddp_worker(rank, world_size, port, model_name, name == "torch-zero")
+            results[name] = (state(model), state_bytes)
             continue
         lesson = overlap if name.startswith("overlap") else zero1
         lesson.make_model, saved = MODELS[model_name], lesson.make_model
@@ -171,7 +177,7 @@ def one_process(model_name="plain"):
 
 RUNS = [("ddp", "plain", None), ("ddp-tied", "tied", None), ("overlap-per-parameter", "plain", 0),
         ("overlap-buckets", "plain", 4), ("overlap-tied", "tied", 4), ("zero1", "plain", None),
-        ("zero1-tied", "tied", None)]
+        ("zero1-tied", "tied", None), ("torch-zero", "plain", None)]
 
 
 def run(world_size, runs, out_dir, broken=None):
@@ -219,6 +225,8 @@ def main(argv=None):
         print(f"zero1 optimizer state at {n} rank(s): {per_rank} bytes per rank "
               f"(DDP: {ddp_bytes} on every rank; 1/{n} = {ddp_bytes / n:.0f})")
     fair = all(max(b) <= -(-ddp_bytes // 4 // n) * 4 for n, b in state_bytes.items())
+    print(f"torch's ZeroRedundancyOptimizer at 2 ranks: {[r['torch-zero'][1] for r in ranks]} bytes "
+          "per rank: it shards whole parameters, so the largest sets the balance")
     print(f"{time.perf_counter() - start:.1f} s on {course.hardware()}")
     return course.report_proof(
         all(passed) and d_one <= TOLERANCE and fair,

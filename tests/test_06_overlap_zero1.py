@@ -22,18 +22,20 @@ def test_the_lab_proves_both_parts_bit_identical_to_ddp():
     assert done.returncode == 0, done.stderr[-3000:]
     compared = re.findall(r"^(\S+) +vs DDP, both ranks: (bit-identical|DIFFERENT)", done.stdout, re.M)
     assert compared == [(name, "bit-identical") for name in (
-        "overlap-per-parameter", "overlap-buckets", "overlap-tied", "zero1", "zero1-tied")]
+        "overlap-per-parameter", "overlap-buckets", "overlap-tied", "zero1", "zero1-tied",
+        "torch-zero")]
     one = float(re.search(r"zero1 vs one process on the global batch: max \|dw\| (\S+)", done.stdout)[1])
     assert 0 < one <= 1e-5  # another summation order, not a bug (and not the same code path)
     states = {int(n): json.loads(b) for n, b in re.findall(
         r"zero1 optimizer state at (\d) rank\(s\): (\[[\d, ]+\]) bytes", done.stdout)}
     assert states == {1: [6416], 2: [3208, 3208], 4: [1604] * 4}  # SGD momentum: 1,604 floats / N
+    assert "ZeroRedundancyOptimizer at 2 ranks: [5120, 1296] bytes" in done.stdout  # whole tensors
     assert done.stdout.rstrip().splitlines()[-1].startswith("PROOF PASSED")
 
 
 @pytest.mark.parametrize("broken, still_equal", [
-    ("step-before-wait", {"zero1", "zero1-tied"}),
-    ("no-gather", {"overlap-per-parameter", "overlap-buckets", "overlap-tied"})])
+    ("step-before-wait", {"zero1", "zero1-tied", "torch-zero"}),
+    ("no-gather", {"overlap-per-parameter", "overlap-buckets", "overlap-tied", "torch-zero"})])
 def test_each_break_fails_the_proof_where_it_should(broken, still_equal):
     done = run_lesson(LAB, "--break", broken, timeout=150)
     assert done.returncode == 1, done.stderr[-3000:]
