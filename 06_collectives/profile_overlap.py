@@ -8,7 +8,7 @@ overlapping (overlap.py's hooks), and torch's DDP. The model is larger than the 
 of 512 x 512, 6.3 MB of gradients in buckets of 1.5 MB) so that there is something to overlap. gloo
 runs each all-reduce on a thread of its own, which the CPU trace shows as `gloo:all_reduce`.
 Writes one Chrome trace per way and rank (chrome://tracing or https://ui.perfetto.dev), times.json
-and overlap.png. A CPU shares its 2 cores between computing and sending: what it shows is WHEN the
+and overlap.png (the run in NOTES.md: overlap_times.json and overlap_timeline.png here). A CPU shares its 2 cores between computing and sending: what it shows is WHEN the
 all-reduces run; how much time overlap saves depends on the machine (on GPUs, NCCL uses its own
 streams and the network, and the backward keeps the cores).
 """
@@ -101,9 +101,11 @@ def worker(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
-def draw(results, path):
+def draw(results, path=None):
+    """The timeline of each way; saved to `path`, or shown (the notebook) when path is None."""
     import matplotlib
-    matplotlib.use("Agg")
+    if path:
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 3.2))
     for row, way in enumerate(WAYS):
@@ -122,7 +124,7 @@ def draw(results, path):
     ax.set_title(f"When each bucket's all-reduce runs (2 ranks, gloo; {course.hardware()})",
                  fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110) if path else plt.show()
 
 
 def main(out_dir):
