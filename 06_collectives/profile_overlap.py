@@ -51,7 +51,8 @@ def setup(way, world_size):
 
 
 def spans(prof, origin):
-    """(backward start, end), [(all-reduce start, end)], step end; ms from `origin` (µs)."""
+    """(backward start, end), [(all-reduce start, end)], step end: ms from `origin`, the profile's
+    first event (µs)."""
     events = list(prof.events())
     backward = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
     reduces = [e for e in events if e.name == "gloo:all_reduce"]
@@ -87,13 +88,11 @@ def worker(rank, world_size, port, out_dir):
                 times.append(time.perf_counter() - start)
             dist.barrier()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                origin = time.perf_counter()
                 step()
             prof.export_chrome_trace(os.path.join(out_dir, f"{way.replace(' ', '_')}-rank{rank}.json"))
             first = min(e.time_range.start for e in prof.events())
             results[way] = {"step_ms": 1000 * statistics.median(times), "spans": spans(prof, first)}
-            del origin
-            model = optimizer = None
+            model = optimizer = None  # DDP holds the group: released before the next way
         if rank == 0:
             with open(os.path.join(out_dir, "times.json"), "w") as f:
                 json.dump(results, f, indent=1)
