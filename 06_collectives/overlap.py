@@ -39,22 +39,26 @@ def make_buckets(params, cap_bytes):  # lesson 06's: last layer first, frozen on
 def overlap_gradients(buckets, world_size):
     """Hooks that start a bucket's all-reduce (async) once its last gradient is ready, while
     backward goes on with earlier layers. Returns finish(): wait for all, divide by N, copy back
-    into each .grad. Call it after backward and BEFORE optimizer.step()."""
+    into each .grad. Call it after EACH backward and BEFORE optimizer.step(); finish.handles
+    removes the hooks. Gradient accumulation needs DDP's no_sync(): a second backward raises."""
     bucket_of = {p: i for i, bucket in enumerate(buckets) for p in bucket}
     ready, in_flight = [0] * len(buckets), []
 
     def on_gradient(p):  # runs inside backward, once p.grad holds this step's gradient
         i = bucket_of[p]
         ready[i] += 1
+        if ready[i] > len(buckets[i]):  # silently, it would average the first micro-batch only
+            raise RuntimeError("a second backward before finish(): the bucket is already sent")
         if ready[i] == len(buckets[i]):  # the bucket is full: send it now, do not wait
             flat = torch.cat([q.grad.flatten() for q in buckets[i]])
             in_flight.append((buckets[i], flat, dist.all_reduce(flat, async_op=True)))
 
-    for p in bucket_of:  # a tied parameter is one tensor: one hook, called once per backward
-        p.register_post_accumulate_grad_hook(on_gradient)
+    # a tied parameter is one tensor: one hook, called once per backward
+    handles = [p.register_post_accumulate_grad_hook(on_gradient) for p in bucket_of]
 
-    def finish():
-        assert len(in_flight) == len(buckets), "a bucket never filled: an unused parameter?"
+    def finish():  # a missing bucket would hang the other ranks: say so, even under python -O
+        if len(in_flight) != len(buckets):
+            raise RuntimeError("a bucket never filled: a parameter without a gradient?")
         for bucket, flat, work in in_flight:
             work.wait()  # the only place this rank waits for the network
             flat /= world_size
@@ -62,6 +66,7 @@ def overlap_gradients(buckets, world_size):
                 p.grad.copy_(piece.view_as(p))
         in_flight.clear()
         ready[:] = [0] * len(buckets)
+    finish.handles = handles
     return finish
 
 

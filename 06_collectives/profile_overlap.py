@@ -51,15 +51,19 @@ def setup(way, world_size):
 
 
 def spans(prof, origin):
-    """(backward start, end), [(all-reduce start, end)], step end: ms from `origin`, the profile's
-    first event (µs)."""
+    """(backward start, end), [(all-reduce start, end)], step end, [launch times]: ms from
+    `origin`, the profile's first event (µs). An all-reduce is launched by `c10d::allreduce_` on
+    the training thread and runs as `gloo:all_reduce` on gloo's: when it runs also depends on
+    the other rank and on free cores, when it is launched does not."""
     events = list(prof.events())
     backward = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
     reduces = [e for e in events if e.name == "gloo:all_reduce"]
+    launches = [e for e in events if e.name == "c10d::allreduce_"]
     ms = lambda us: (us - origin) / 1000  # noqa: E731
     return ((ms(min(e.time_range.start for e in backward)), ms(max(e.time_range.end for e in backward))),
             sorted((ms(e.time_range.start), ms(e.time_range.end)) for e in reduces),
-            ms(max(e.time_range.end for e in events)))
+            ms(max(e.time_range.end for e in events)),
+            sorted(ms(e.time_range.start) for e in launches))
 
 
 def worker(rank, world_size, port, out_dir):
@@ -108,7 +112,7 @@ def draw(results, path=None):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 3.2))
     for row, way in enumerate(WAYS):
-        (b0, b1), reduces, end = results[way]["spans"]
+        (b0, b1), reduces, end = results[way]["spans"][:3]
         y = len(WAYS) - 1 - row
         ax.barh(y + 0.18, b1 - b0, left=b0, height=0.3, color="tab:blue",
                 label="backward" if row == 0 else None)
@@ -133,11 +137,13 @@ def main(out_dir):
         results = json.load(f)
     base = results["after backward"]["step_ms"]
     for way in WAYS:
-        (b0, b1), reduces, end = results[way]["spans"]
+        (b0, b1), reduces, end, launches = results[way]["spans"]
         inside = sum(1 for r0, _ in reduces if r0 < b1)
+        launched = (f"; launched during backward: {sum(t < b1 for t in launches)} of {len(launches)}"
+                    if launches else "")
         print(f"{way:15s} {results[way]['step_ms']:6.1f} ms a step (x{results[way]['step_ms'] / base:.2f} "
               f"of after-backward); {len(reduces)} all-reduces, {inside} of them started before "
-              f"backward ended")
+              f"backward ended{launched}")
     draw(results, os.path.join(out_dir, "overlap.png"))
     print(f"wrote {out_dir}/overlap.png, times.json and one Chrome trace per way and rank; "
           f"{course.hardware()}")

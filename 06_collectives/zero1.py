@@ -34,7 +34,8 @@ def flat_padded(tensors, size):
 
 def zero1_shard(params, world_size, rank):
     """The trainable parameters as one flat vector padded to N*k; this rank owns [rank*k, rank*k+k).
-    Returns (params, k, shard): the optimizer sees the shard only, so only it gets state."""
+    Returns (params, k, shard): the optimizer sees the shard only, so only it gets state. The
+    shard is a COPY: call this after loading a checkpoint into the model and moving it."""
     params = [p for p in params if p.requires_grad]
     k = -(-sum(p.numel() for p in params) // world_size)  # ceil
     shard = flat_padded([p.detach() for p in params], k * world_size)[rank * k:(rank + 1) * k]
@@ -44,6 +45,8 @@ def zero1_shard(params, world_size, rank):
 def zero1_step(params, k, shard, optimizer, world_size):
     """Reduce-scatter the gradients (each rank receives the sum of ITS shard only), divide by N,
     step the shard, all-gather every rank's updated shard and copy it back into the model."""
+    if any(p.grad is None for p in params):  # torch's optimizers skip those; a flat shard cannot
+        raise RuntimeError("a trainable parameter got no gradient: freeze it, or give it one")
     shard.grad = torch.empty_like(shard)
     dist.reduce_scatter_tensor(shard.grad, flat_padded([p.grad for p in params], k * world_size))
     shard.grad /= world_size

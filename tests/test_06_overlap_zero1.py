@@ -76,27 +76,36 @@ def test_overlap_hooks_fire_once_per_tied_parameter_and_refuse_an_unused_one(mon
         buckets = overlap.make_buckets(model.parameters(), 0)  # one bucket per parameter
         assert all(p is not model[0].bias for b in buckets for p in b)  # frozen: in no bucket
         assert sum(len(b) for b in buckets) == 6  # 8 tensors, less the frozen bias and the tie
-        finish = overlap.overlap_gradients(buckets, 1)
+        first = overlap.overlap_gradients(buckets, 1)
         model(torch.randn(3, 20)).sum().backward()
-        finish()  # every bucket filled exactly once, the tied weight's too
+        first()  # every bucket filled exactly once, the tied weight's too
         unused = torch.nn.Linear(2, 2)
-        finish = overlap.overlap_gradients(overlap.make_buckets(
+        second = overlap.overlap_gradients(overlap.make_buckets(
             [*model.parameters(), *unused.parameters()], 0), 1)
         model(torch.randn(3, 20)).sum().backward()
-        with pytest.raises(AssertionError, match="a bucket never filled"):
-            finish()
+        first()
+        with pytest.raises(RuntimeError, match="a bucket never filled"):
+            second()
+        for handle in second.handles:  # removed: from now on only the first hooks run
+            handle.remove()
+        model(torch.randn(3, 20)).sum().backward()
+        with pytest.raises(RuntimeError, match="a second backward before finish"):
+            model(torch.randn(3, 20)).sum().backward()  # accumulation without no_sync: refused
     finally:
         torch.distributed.destroy_process_group()
 
 
 def test_the_profile_shows_overlap_only_where_it_is(tmp_path):
+    """When an all-reduce is LAUNCHED is the lesson's doing and is checked; when gloo's thread runs
+    it also depends on the other rank and on free cores (under load, 1 of 6 started before
+    backward ended, against 6 of 6 on a quiet machine), so it is printed, not checked."""
     done = run_lesson(LAB, "--profile", tmp_path, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
-    started = {way.strip(): (int(n), int(inside)) for way, n, inside in re.findall(
-        r"^(after backward|overlapping|DDP)\s+[\d.]+ ms a step .*?; (\d+) all-reduces, (\d+) of them "
-        r"started before backward ended", done.stdout, re.M)}
-    assert started["after backward"][1] == 0  # the lesson-06 way waits for backward to end
-    assert started["overlapping"] == (6, 6) or started["overlapping"][1] >= started["overlapping"][0] - 1
+    launched = {way: (int(n), int(total)) for way, n, total in re.findall(
+        r"^(after backward|overlapping)\s+[\d.]+ ms a step .*launched during backward: (\d+) of (\d+)",
+        done.stdout, re.M)}
+    assert launched == {"after backward": (0, 6), "overlapping": (6, 6)}, done.stdout
+    assert re.search(r"^DDP\s+[\d.]+ ms a step", done.stdout, re.M)
     times = json.loads((tmp_path / "times.json").read_text())
     assert set(times) == {"after backward", "overlapping", "DDP"}
     assert (tmp_path / "overlap.png").stat().st_size > 10_000
