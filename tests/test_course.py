@@ -186,3 +186,18 @@ def test_runner_rejects_an_unknown_lesson():
     result = subprocess.run([sys.executable, "run_lessons.py", "--only", "99"], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "no lesson matches" in result.stderr
+
+
+def test_one_reading_order_and_every_next_agrees_with_it():
+    """The top README states the order once; each lesson README's first "Next: lesson NN" names the
+    lesson after it in that order, and none names another; the last names none."""
+    top = (REPO / "README.md").read_text()
+    stated = re.findall(r"Reading order: ((?:\d\d(?: → )?)+)", top)
+    assert len(stated) == 1, "the top README states the reading order once"
+    order = stated[0].split(" → ")
+    folders = sorted(p.name[:2] for p in REPO.glob("[0-9][0-9]_*/") if (p / "README.md").exists())
+    assert sorted(order) == folders, "every lesson, once"
+    for number, following in zip(order, order[1:] + [None]):
+        readme = next(REPO.glob(f"{number}_*/README.md")).read_text()
+        named = re.findall(r"Next: lesson (\d\d)", readme)
+        assert (set(named) == {following}) if following else not named, (number, named)
