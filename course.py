@@ -22,6 +22,7 @@ import random
 import signal
 import socket
 import sys
+import traceback
 
 import torch
 import torch.multiprocessing as mp
@@ -71,6 +72,43 @@ def load_lesson(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def import_lesson(name, needs, argv=None):
+    """The lesson a lab proves: `name`.py beside the lab, or the learner's file given with
+    --lesson PATH. Registered as sys.modules[name], and the path kept in COURSE_LESSON, which the
+    ranks inherit: a rank that imports the lab (forkserver, spawn, torchrun) proves the same file.
+    A file that does not import, or lacks a function the lab calls, is one line and exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(argv):
+        if arg == "--lesson" and i + 1 < len(argv) or arg.startswith("--lesson="):
+            given = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+            os.environ["COURSE_LESSON"] = os.path.abspath(given)
+    here = os.path.dirname(os.path.abspath(sys._getframe(1).f_globals["__file__"]))
+    path = os.environ.get("COURSE_LESSON") or os.path.join(here, f"{name}.py")
+    if not os.path.isfile(path):
+        refuse(f"--lesson {path}: no such file")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # the learner's file: one line, where and what
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        refuse(f"--lesson {path} does not import: {type(error).__name__}: {error} "
+               f"(line {where.lineno})" if where.filename == path else
+               f"--lesson {path} does not import: {type(error).__name__}: {error}")
+    missing = [n for n in needs if not hasattr(module, n)]
+    if missing:
+        refuse(f"--lesson {path} has no {', '.join(missing)}: the lab calls "
+               f"{'it' if len(missing) == 1 else 'them'} as {name}.py defines {'it' if len(missing) == 1 else 'them'}")
+    return module
+
+
+def add_lesson_flag(parser, name):
+    """--lesson PATH: prove a learner's own file instead of `name`.py (import_lesson reads it)."""
+    parser.add_argument("--lesson", metavar="PATH", help=f"prove this file instead of {name}.py "
+                        "(your own version of the lesson; the lab grades it)")
 
 
 def find_free_port():

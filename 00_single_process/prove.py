@@ -28,7 +28,8 @@ import torch.nn as nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 import course  # noqa: E402
-import single_process as lesson  # noqa: E402
+lesson = course.import_lesson("single_process", needs=(  # or the file given with --lesson PATH
+    "main", "make_dataset", "make_model"))
 
 PROCESSES = 2
 TOLERANCE = 0.0  # the same program on the same bytes: every bit must agree
@@ -145,6 +146,7 @@ def verdict(processes, epochs):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'single_process')
     p.add_argument("--epochs", type=int, default=2, help="passes over the data, 2 or more: the "
                    "proof compares the first epoch's mean loss with the last's (default 2)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per step (default 32)")

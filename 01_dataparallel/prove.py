@@ -29,7 +29,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import course  # noqa: E402
-import dataparallel as lesson  # noqa: E402
+lesson = course.import_lesson("dataparallel", needs=(  # or the file given with --lesson PATH
+    "choose_path", "main", "make_dataset", "make_model", "replicate"))
 
 # Only the grouping of rows and the order of sums differ from the unwrapped model. Measured here
 # (CPU, float32): outputs 0.0 with 2 replicas, up to 2e-07 with 3; gradients up to 1.5e-08 at each step, final weights
@@ -180,6 +181,7 @@ def verdict(steps, batches, d_out, d_grad, d_end, here_diff, tolerance):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'dataparallel')
     p.add_argument("--replicas", type=int, default=2, help="GPUs for nn.DataParallel, or threads of "
                    "the hand-written step on CPU (default 2)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")

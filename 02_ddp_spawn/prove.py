@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 import course  # noqa: E402
-import ddp_spawn as lesson  # noqa: E402
+lesson = course.import_lesson("ddp_spawn", needs=(  # or the file given with --lesson PATH
+    "make_dataset", "worker"))
 
 TOLERANCE = 1e-5  # DDP and one process differ only in summation order: measured ~5e-8 (float32)
 BREAKS = {
@@ -134,6 +135,7 @@ def steps_per_rank(world_size, epochs, batch_size, samples=256):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'ddp_spawn')
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
     p.add_argument("--batch-size", type=int, default=16, help="samples per step per rank (default 16)")

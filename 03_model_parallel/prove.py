@@ -24,7 +24,9 @@ import torch.nn as nn  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import course  # noqa: E402
-import model_parallel as lesson  # noqa: E402
+lesson = course.import_lesson("model_parallel", needs=(  # or the file given with --lesson PATH
+    "TwoDeviceModel", "choose_backend", "make_dataset", "make_model", "train_pipeline",
+    "train_split_model_with_ddp"))
 
 # Measured on CPU (float32): the split 0.0 (same operations in the same order); DDP and the
 # pipelines ~1e-8 (sums in another order: ranks, micro-batches). A real bug gives 1e-2 or more.
@@ -161,6 +163,7 @@ def steps_per_rank(world_size, epochs, batch_size):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'model_parallel')
     p.add_argument("--world-size", type=int, default=2, help="ranks of the split under DDP (default 2)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per pipeline step (default 4)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")

@@ -35,7 +35,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E40
 from torch.utils.data import DataLoader, DistributedSampler, Subset  # noqa: E402
 
 import course  # noqa: E402
-import sampler_checkpoint as lesson  # noqa: E402
+lesson = course.import_lesson("sampler_checkpoint", needs=(  # or the file given with --lesson PATH
+    "evaluate", "find_checkpoint", "main", "make_dataset", "make_model", "train", "worker"))
 
 # forkserver (Linux): one server process imports torch (and DDP's torch._dynamo) once; every rank
 # of the three runs is forked from it, fresh, in a fraction of a second (spawn: ~4 s a run on 2
@@ -247,6 +248,7 @@ def evaluate_alone(state):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'sampler_checkpoint')
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
     course.add_device_flag(p)

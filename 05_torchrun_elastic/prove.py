@@ -39,7 +39,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 import course  # noqa: E402
-import torchrun_elastic as lesson  # noqa: E402
+lesson = course.import_lesson("torchrun_elastic", needs=(  # or the file given with --lesson PATH
+    "choose_backend", "find_checkpoint", "init_distributed", "main", "train"))
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # = the `torchrun` console script
 WORLD, KILLED_RANK, TRAIN = 2, 1, 256  # 2 ranks on this node; lesson.main trains on 256 samples
@@ -261,6 +262,7 @@ def tell_attempts(out_dir, run, stderr):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'torchrun_elastic')
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2: 16 steps)")
     course.add_break_flag(p, BREAKS)
     p.add_argument("--crash-rank", type=int, help="this rank raises at step 2 of one launch with no "

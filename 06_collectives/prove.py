@@ -28,8 +28,9 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import collectives as lesson  # noqa: E402
 import course  # noqa: E402
+lesson = course.import_lesson("collectives", needs=(  # or the file given with --lesson PATH
+    "average_gradients", "make_buckets", "ring_all_reduce", "ring_step", "worker"))
 
 TOLERANCE = 1e-5  # float32: another summation order moves a value by ~1e-7, a sync bug by ~1e-1
 RING_SIZES = (1, 3, 10, 1000, 1001, 65537)  # floats; most do not divide by 2, 3 or 4; 1 and 3 leave
@@ -357,6 +358,7 @@ def steps_per_rank(world_size, epochs, batch_size, samples=256):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'collectives')
     p.add_argument("--world-size", type=int, default=2, help="ranks that train (default 2)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
     p.add_argument("--batch-size", type=int, default=16, help="samples per step per rank (default 16)")

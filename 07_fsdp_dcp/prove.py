@@ -44,7 +44,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import course  # noqa: E402
-import fsdp_dcp as lesson  # noqa: E402
+lesson = course.import_lesson("fsdp_dcp", needs=(  # or the file given with --lesson PATH
+    "load_checkpoint", "make_dataset", "make_model", "save_checkpoint", "train", "worker"))
 
 # FSDP2, DDP and one process add the same numbers in other orders (float32): measured up to
 # ~5e-08 here; a missed step or a lost momentum buffer shows at 1e-3 and more.
@@ -217,6 +218,7 @@ def weights(state):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'fsdp_dcp')
     p.add_argument("--world-size", type=int, default=2, help="ranks that train and save (default 2)")
     p.add_argument("--resume-on", type=int, nargs="+", default=[1, 3], metavar="N",
                    help="world sizes that load the checkpoint and train the last epoch (default 1 3)")

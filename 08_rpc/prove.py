@@ -33,7 +33,8 @@ import course  # noqa: E402
 if not torch_rpc.is_available():  # before the lesson's import, which would exit on it
     course.refuse(f"lesson 08 needs torch.distributed.rpc, which this torch build on "
                   f"{course.platform_name()} lacks (PyTorch builds none for Windows)")
-import rpc as lesson  # noqa: E402
+lesson = course.import_lesson("rpc", needs=(  # or the file given with --lesson PATH
+    "worker",))
 
 TOLERANCE = 1e-5  # float32 rounding: the server's forward and a local one add in other orders
 BREAKS = {
@@ -142,6 +143,7 @@ def train_reference(trainers, epochs, batch_size, lr):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'rpc')
     p.add_argument("--async-trainers", type=int, default=2, help="trainers of the second server, "
                    "run beside the proof (default 2; 0: none)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")

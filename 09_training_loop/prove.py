@@ -45,7 +45,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E40
 from torch.utils.data import DistributedSampler  # noqa: E402
 
 import course  # noqa: E402
-import training_loop as lesson  # noqa: E402
+lesson = course.import_lesson("training_loop", needs=(  # or the file given with --lesson PATH
+    "make_dataset", "make_model", "train", "train_step", "worker"))
 
 # DDP and one process add the same float32 numbers in other orders: measured ~1e-8 here; a
 # missing 1/K moves the weights by 1e-2 and more.
@@ -285,6 +286,7 @@ def precision_facts():
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    course.add_lesson_flag(p, 'training_loop')
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
     p.add_argument("--accumulate", type=int, default=2,
