@@ -75,17 +75,19 @@ def load_lesson(path):
 
 
 def import_lesson(name, needs, argv=None):
-    """The lesson a lab proves: `name`.py beside the lab, or the learner's file given with
-    --lesson PATH. Registered as sys.modules[name], and the path kept in COURSE_LESSON, which the
-    ranks inherit: a rank that imports the lab (forkserver, spawn, torchrun) proves the same file.
-    A file that does not import, or lacks a function the lab calls, is one line and exit 2."""
+    """The lesson a lab proves: `import name` (the file beside the lab), or the learner's file
+    given with --lesson PATH, registered as sys.modules[name], its path kept in COURSE_LESSON,
+    which the ranks inherit: a rank that imports the lab (forkserver, spawn, torchrun) proves the
+    same file. A file that does not import, or lacks a function the lab calls, is one line and
+    exit 2."""
     argv = sys.argv[1:] if argv is None else argv
     for i, arg in enumerate(argv):
         if arg == "--lesson" and i + 1 < len(argv) or arg.startswith("--lesson="):
             given = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
             os.environ["COURSE_LESSON"] = os.path.abspath(given)
-    here = os.path.dirname(os.path.abspath(sys._getframe(1).f_globals["__file__"]))
-    path = os.environ.get("COURSE_LESSON") or os.path.join(here, f"{name}.py")
+    path = os.environ.get("COURSE_LESSON")
+    if not path:  # the lab's own lesson, as `import name` (a notebook that imported it shares it)
+        return importlib.import_module(name)
     if not os.path.isfile(path):
         refuse(f"--lesson {path}: no such file")
     spec = importlib.util.spec_from_file_location(name, path)
