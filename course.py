@@ -102,8 +102,9 @@ def import_lesson(name, needs, argv=None):
                f"--lesson {path} does not import: {type(error).__name__}: {error}")
     missing = [n for n in needs if not hasattr(module, n)]
     if missing:
-        refuse(f"--lesson {path} has no {', '.join(missing)}: the lab calls "
-               f"{'it' if len(missing) == 1 else 'them'} as {name}.py defines {'it' if len(missing) == 1 else 'them'}")
+        them = "it" if len(missing) == 1 else "them"
+        refuse(f"--lesson {path} has no {', '.join(missing)}: the lab calls {them} as {name}.py "
+               f"defines {them}")
     return module
 
 

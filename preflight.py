@@ -58,11 +58,15 @@ def check_packages():
     return "ok", f"{len(pins())} pinned packages at their pinned versions"
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def check_port():
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return "ok", f"a free port on 127.0.0.1 ({s.getsockname()[1]})"
+        return "ok", f"a free port on 127.0.0.1 ({free_port()})"
     except OSError as error:
         return "FAIL", f"cannot open a port on 127.0.0.1 ({error}): the ranks meet there"
 
@@ -88,11 +92,8 @@ def check_all_reduce():
     except ImportError as error:
         return "FAIL", f"torch does not import: {error}"
     start, out = time.perf_counter(), ROOT / f".preflight-{os.getpid()}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     try:
-        mp.start_processes(all_reduce_rank, args=(port, str(out)), nprocs=2, join=True,
+        mp.start_processes(all_reduce_rank, args=(free_port(), str(out)), nprocs=2, join=True,
                            start_method="spawn")
         total = float(out.read_text())
     except Exception as error:  # one line: the first line of what the ranks raised

@@ -51,8 +51,7 @@ def check_machine():
         refuse(f"needs Linux (this is {sys.platform}); on Windows or macOS use a Linux VM or WSL2")
     if os.geteuid() != 0:
         refuse("needs root (the daemons run as root here): run it with sudo")
-    missing = [name for name in DAEMONS if not shutil.which(name, path=os.environ.get("PATH", "")
-                                                            + ":/usr/sbin:/sbin")]
+    missing = [name for name in DAEMONS if not which(name)]
     if missing:
         refuse(f"{', '.join(missing)} not found: install SLURM and munge first "
                "(Debian/Ubuntu: apt-get install slurm-wlm munge)")
@@ -157,8 +156,9 @@ def up(state, nodes, cpus):
     if os.listdir(state):
         refuse(f"{state} is not empty: choose a new or empty --state-dir")
     os.chmod(state, 0o755)
+    user = pwd_or_none("munge")  # munged refuses root unless forced
     blocked = [p for p in parents(state) if not os.stat(p).st_mode & 0o001]
-    if blocked and pwd_or_none("munge"):
+    if blocked and user:
         refuse(f"munged runs as the user munge, who may not enter {blocked[0]}: choose a "
                "--state-dir whose every parent folder anyone may enter (under /tmp, say)")
     # munge: its own key and socket in the state folder, never the machine's /etc/munge.
@@ -168,7 +168,6 @@ def up(state, nodes, cpus):
     with open(os.path.join(munge, "munge.key"), "wb") as f:
         f.write(os.urandom(1024))
     os.chmod(os.path.join(munge, "munge.key"), 0o400)
-    user = pwd_or_none("munge")  # munged refuses root unless forced
     if user:
         for root, _, files in os.walk(munge):
             for name in [root] + [os.path.join(root, f) for f in files]:

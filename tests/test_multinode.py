@@ -27,9 +27,10 @@ LOCAL_SLURM = REPO / "05_torchrun_elastic" / "local_slurm.py"
 
 def require(ok, reason):
     """Skip with one line, or fail under CI=true: CI must not pass without these tests."""
+    if not ok and IN_CI:
+        pytest.fail(f"{reason} (CI=true: a skip here is a failure)")
     if not ok:
-        (pytest.fail if IN_CI else pytest.skip)(f"{reason} (CI=true: a skip here is a failure)"
-                                                if IN_CI else reason)
+        pytest.skip(reason)
 
 
 def job_env(tmp_path, **extra):
