@@ -240,8 +240,11 @@ def tell_attempts(out_dir, run, stderr):
             parts.append(f"find_checkpoint chose the checkpoint of step {start};")
         elif "start" in record:
             parts.append("no checkpoint, from step 0;")
+        killed = any("killed_after_step" in r for r in ranks.values())
         for rank, r in sorted(ranks.items()):
-            if "error" in r:
+            # A peer of a SIGKILLed rank may raise "Connection closed by peer" before torchrun
+            # stops it, or not: a race, and only the consequence, so the story leaves it out.
+            if "error" in r and not killed:
                 parts.append(f"rank {rank} failed{'' if 'start' in r else ' before training'}: "
                              f"{r['error'][:160]};")
             if "killed_after_step" in r:
