@@ -116,6 +116,21 @@ def reshard_trade(device):
     return found
 
 
+def checking_the_optimizer(train):
+    """Wraps the lesson's train: an optimizer made before fully_shard holds the old tensors, which
+    fully_shard replaced with DTensors; it would step nothing the model uses, and DCP fails later
+    with a bare KeyError. Said here in one line instead."""
+    @functools.wraps(train)
+    def wrapper(*args, **kwargs):
+        arguments = inspect.signature(train).bind(*args, **kwargs).arguments
+        held = {id(p) for group in arguments["optimizer"].param_groups for p in group["params"]}
+        if held != {id(p) for p in arguments["model"].parameters()}:
+            raise RuntimeError("the optimizer does not hold the model's parameters: it was made "
+                               "before fully_shard, which replaces them (make it after)")
+        return train(*args, **kwargs)
+    return wrapper
+
+
 def then_measure_resharding(train, kept):
     """Wraps the lesson's train: once it returns (the group still up), runs reshard_trade."""
     @functools.wraps(train)
@@ -159,7 +174,7 @@ def lab_worker(index, jobs, backend, epochs, batch_size, lr, out_dir, broken, cr
         lesson.train = train_skipping_a_step(lesson.train)
     if broken == "model-only-checkpoint" and job["resume"]:
         lesson.load_checkpoint = load_model_only
-    lesson.train = keep_full_state(lesson.train, kept, "trained")
+    lesson.train = keep_full_state(checking_the_optimizer(lesson.train), kept, "trained")
     if job["ddp_port"]:
         lesson.train = then_measure_resharding(lesson.train, kept)
     lesson.save_checkpoint = keep_full_state(lesson.save_checkpoint, kept, "saved at {epoch}")

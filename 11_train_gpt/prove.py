@@ -50,13 +50,26 @@ def use_lesson(path):
         sys.modules.pop(sibling, None)
     spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0],
                                                   path)
-    lesson = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lesson)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # the learner's file: one line, not a traceback
+        beside = " (keep it beside model.py and checkpoint.py)" if isinstance(
+            error, ModuleNotFoundError) and error.name in ("model", "checkpoint") else ""
+        course.refuse(f"--lesson {path} does not import: {type(error).__name__}: {error}{beside}")
+    missing = [name for name in NEEDS if not callable(getattr(module, name, None))]
+    if missing:
+        them = "it" if len(missing) == 1 else "them"
+        course.refuse(f"--lesson {path} has no {', '.join(missing)}: the lab calls {them} as "
+                      f"train_gpt.py defines {them}")
+    lesson = module
     ORIGINAL["train_step"] = lesson.train_step
 
 
 ORIGINAL = {}
 LESSON = os.path.join(HERE, "train_gpt.py")
+NEEDS = ("main", "init_distributed", "make_dataset", "make_model", "step_windows", "micro_batches",
+         "train_step", "evaluate", "wrap", "sample")  # what the lab calls, and main's parts
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 STEPS, GLOBAL = 4, 24  # claims 1, 3, 6: 4 steps of 24 windows (2 x 12, 3 x 8, 1 x 24)

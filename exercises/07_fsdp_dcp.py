@@ -1,0 +1,138 @@
+# Exercise 07: turn lesson 02's script into lesson 07's
+# The TODOs say what to add. Solution: 07_fsdp_dcp/fsdp_dcp.py.
+# Grade your copy: python 07_fsdp_dcp/prove.py --lesson YOUR_COPY.py
+"""Lesson 07: lesson 02 with FSDP2 (fully_shard) instead of DDP, and distributed checkpoints.
+
+    python 07_fsdp_dcp/fsdp_dcp.py --world-size 2 --epochs 1    # saves ckpt_fsdp/epoch0001
+    python 07_fsdp_dcp/fsdp_dcp.py --world-size 3 --epochs 2    # loads it on 3 ranks, goes on
+"""
+import argparse
+import datetime
+import gc
+# TODO(lesson 07): import what finding and removing checkpoint folders needs
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+# TODO(lesson 07): import torch.distributed.checkpoint
+import torch.multiprocessing as mp
+import torch.nn as nn
+# TODO(lesson 07): import get_state_dict, set_state_dict and fully_shard (no DDP)
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def make_dataset(samples=256, seed=0):
+    """A learnable 4-class problem from its own seeded generator, never the global RNG: every
+    process that builds it gets the same bytes, whatever that process did before."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 20, generator=g)
+    y = (x @ torch.randn(20, 4, generator=g)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)  # the same initial weights in every process that builds it
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+# TODO(lesson 07): train(model, loader, optimizer, epochs, device, first_epoch, folder)
+def train(model, loader, optimizer, epochs, device):
+    """Forward, loss, backward, step; returns the loss of every step on this rank."""
+    losses = []
+    # TODO(lesson 07): start at first_epoch
+    for epoch in range(epochs):
+        model.train()
+        loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()  # FSDP reduce-scatters: each rank gets the average of its shard
+            optimizer.step()
+            losses.append(loss.item())
+        # TODO(lesson 07): after each epoch, every rank saves a checkpoint; rank 0 says where
+        mean = torch.tensor(losses[-1], device=device)
+        dist.all_reduce(mean)  # for the log only: training never needs the loss reduced
+        if dist.get_rank() == 0:
+            print(f"epoch {epoch}  loss {mean.item() / dist.get_world_size():.4f} "
+                  "(mean over ranks)", flush=True)
+    return losses
+
+
+# TODO(lesson 07): save_checkpoint(folder, model, optimizer, epoch): get_state_dict (this rank's
+#     shards), dcp.save to epochNNNN.tmp, then rank 0 renames it; barriers around
+# TODO: load_checkpoint(path, model, optimizer): dcp.load into this rank's state dicts, then
+#     set_state_dict; return the epoch
+# TODO: find_checkpoint(folder): the newest finished epoch* folder, or None
+def choose_backend(world_size):
+    gpus = torch.cuda.device_count()
+    if gpus >= world_size:
+        return "nccl", f"{gpus} GPU(s) visible, one per rank"
+    return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
+
+
+def find_free_port():
+    """A fixed port (12355, 29500) collides with any other job on the machine: ask the OS."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# TODO(lesson 07): worker also takes folder and resume
+def worker(rank, world_size, port, backend, epochs, batch_size, lr, timeout=60):
+    """One process = one rank = one replica; mp.spawn calls it with rank 0 .. world_size-1.
+    Returns the trained model and this rank's losses (prove.py keeps them; mp.spawn does not)."""
+    # mp.spawn starts every rank on this one machine, so the rank is the GPU's index. On several
+    # nodes, the GPU's index on its node: int(os.environ["LOCAL_RANK"]) under torchrun (lesson 05).
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if device.type == "cuda" else None)
+    try:  # timeout: gloo raises in a stuck collective; NCCL's watchdog aborts the process
+        dataset = make_dataset()
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=0)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                            generator=torch.Generator().manual_seed(0))
+        # TODO(lesson 07): instead of DDP: a 1-D device mesh; fully_shard each Linear, then the
+        #     root; the optimizer AFTER sharding; load the checkpoint when resuming; train from its
+        #     epoch
+        model = DDP(make_model().to(device), device_ids=[device] if device.type == "cuda" else None)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        start = time.perf_counter()
+        losses = train(model, loader, optimizer, epochs, device)
+        if rank == 0:
+            print(f"trained {len(losses)} steps in {time.perf_counter() - start:.1f} s; "
+                  f"final loss {losses[-1]:.4f} on rank 0", flush=True)
+        return model.module, losses
+    finally:
+        model = optimizer = None  # FSDP holds the process group: release it before destroying
+        gc.collect()  # the group (measured: left to interpreter exit, some gloo runs abort)
+        dist.destroy_process_group()
+
+
+# TODO(lesson 07): main takes the checkpoint folder
+def main(world_size=2, epochs=2, batch_size=16, lr=0.05):
+    backend, reason = choose_backend(world_size)
+    print(f"backend: {backend} ({reason}); world size {world_size}; "
+          f"global batch {world_size} x {batch_size} = {world_size * batch_size}", flush=True)
+    # TODO(lesson 07): main: remove unfinished epoch*.tmp folders, find the checkpoint, pass folder
+    #     and resume to the workers
+    mp.spawn(worker, args=(world_size, find_free_port(), backend, epochs, batch_size, lr),
+             nprocs=world_size, join=True)
+
+
+if __name__ == "__main__":  # required: mp.spawn re-imports this file in every child
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2, help="processes to start (default 2)")
+    parser.add_argument("--epochs", type=int, default=2, help="in all, resumed too (default 2)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per step PER RANK")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    # TODO(lesson 07): an --out-dir flag (default ckpt_fsdp), passed to main
+    args = parser.parse_args()
+    main(args.world_size, args.epochs, args.batch_size, args.lr)

@@ -1,0 +1,277 @@
+# Exercise 11: write the three functions where each lesson meets the others; keep this file beside model.py and checkpoint.py (in 11_train_gpt/)
+# The TODOs say what to add. Solution: 11_train_gpt/train_gpt.py.
+# Grade your copy: python 11_train_gpt/prove.py --lesson YOUR_COPY.py
+r"""Lesson 11, the capstone: a small GPT on real text, with lessons 04, 05, 07 and 09 together.
+
+    python 11_train_gpt/train_gpt.py                                     # one process
+    torchrun --standalone --nproc-per-node=2 11_train_gpt/train_gpt.py --out-dir out_ddp2
+    torchrun --standalone --nproc-per-node=2 --max-restarts=1 11_train_gpt/train_gpt.py \
+        --parallel fsdp --accumulate 2 --precision bf16 --out-dir out_fsdp  # restarts resume
+
+Your own project: replace make_dataset and make_model; nothing else needs to change.
+"""
+import argparse
+import contextlib
+import datetime
+import functools
+import gc
+import glob
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.tensorboard import SummaryWriter
+
+import checkpoint
+from model import GPT, sample
+
+# Real text that every Python installation has: its standard library, split into train and
+# validation by file. Bytes, not characters: 256 tokens, no tokenizer. (The files' bytes differ
+# a little between Python versions, and so do the numbers a run prints.)
+TRAIN_FILES = ["argparse.py", "calendar.py", "contextlib.py", "dataclasses.py", "difflib.py",
+               "functools.py", "heapq.py", "textwrap.py"]
+VAL_FILES = ["bisect.py", "colorsys.py", "fnmatch.py", "queue.py", "sched.py"]
+
+
+class Windows(Dataset):
+    """Non-overlapping windows of tokens, and the next tokens (the targets): each counted once."""
+
+    def __init__(self, tokens, context):
+        self.tokens, self.context = tokens, context
+
+    def __len__(self):
+        return (len(self.tokens) - 1) // self.context
+
+    def __getitem__(self, i):
+        chunk = self.tokens[i * self.context: (i + 1) * self.context + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+def make_dataset(data, context):
+    """(train set, validation set, what they are). A set yields (input, target) pairs."""
+    if data:  # your own text file: the first 90% trains, the last 10% validates
+        tokens = torch.frombuffer(bytearray(open(data, "rb").read()), dtype=torch.uint8)
+        cut, what = int(0.9 * len(tokens)), f"{data}, bytes"
+        return Windows(tokens[:cut], context), Windows(tokens[cut:], context), what
+    def read(name):  # a module that is a package in a later Python (difflib): its __init__.py
+        path = os.path.join(sysconfig.get_paths()["stdlib"], name)
+        return open(path if os.path.exists(path) else path[:-3] + "/__init__.py", "rb").read()
+    sets = [Windows(torch.frombuffer(bytearray(b"".join(map(read, names))), dtype=torch.uint8),
+                    context) for names in (TRAIN_FILES, VAL_FILES)]
+    return (*sets, f"Python {sys.version.split()[0]}'s standard library, bytes")
+
+
+def make_model(context, dropout, seed):
+    torch.manual_seed(seed)  # the same initial weights in every process that builds it
+    return GPT(vocab_size=256, context=context, n_layer=2, n_head=4, n_embd=64, dropout=dropout)
+
+
+def unigram_entropy(dataset):
+    """The loss (nats per token) of a model that ignores the context: learning beats it."""
+    counts = torch.bincount(dataset.tokens.long(), minlength=256).double()
+    p = counts[counts > 0] / counts.sum()
+    return -(p * p.log()).sum().item()
+
+
+def step_windows(length, step, global_batch, seed):
+    """The windows of one optimizer step: the next `global_batch` of one endless stream, a new
+    permutation every epoch. It does not depend on the world size, so a run resumes exactly on
+    any number of ranks, and nothing is dropped or repeated at the end of an epoch."""
+    windows, start = [], step * global_batch
+    while len(windows) < global_batch:
+        epoch, offset = divmod(start + len(windows), length)
+        windows += epoch_order(length, seed + epoch)[offset: offset + global_batch - len(windows)]
+    return windows
+
+
+@functools.lru_cache(maxsize=2)  # one permutation per epoch, not one per step
+def epoch_order(length, seed):
+    return torch.randperm(length, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# TODO(lesson 11): micro_batches(dataset, step, rank, world_size, accumulate, batch_size, seed):
+#     this rank's share of the step's windows (step_windows), as a DataLoader of `accumulate`
+#     micro-batches, with its own generator
+
+
+def upcast(logits):
+    """bf16 logits to fp32 for the loss (float64 stays float64: the lab proves in it)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+@torch.no_grad()
+def evaluate(model, dataset, batch_size, device, autocast):
+    """(mean loss per token, tokens counted): every validation token once, on any world size.
+    Each rank runs the same number of forwards (FSDP's forward is a collective: a rank that
+    stopped early would leave the others waiting); past its share it counts nothing."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine = list(range(rank, len(dataset), world_size))
+    batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    for b in range(batches):
+        chunk = mine[b * batch_size: (b + 1) * batch_size]
+        x, y = next(iter(DataLoader(dataset, batch_size=batch_size, sampler=chunk or [0],
+                                    generator=torch.Generator())))
+        with autocast:
+            logits = model(x.to(device))
+        loss = F.cross_entropy(upcast(logits).flatten(0, -2), y.to(device).flatten(),
+                               reduction="sum")
+        if chunk:
+            total += torch.stack([loss.double(), torch.tensor(y.numel(), device=device)])
+    model.train()
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item(), int(total[1].item())
+
+
+# TODO(lesson 11): train_step(model, batches, optimizer, parallel, autocast, clip): one optimizer
+#     step over K micro-batches; gradients reduced once, on the last (DDP: no_sync(); FSDP:
+#     set_requires_gradient_sync); backward of loss / K; clip; step; zero the grads; return (this
+#     rank's mean loss, the grad norm before clipping)
+
+
+def warmup_cosine(warmup, steps):
+    """The learning rate's factor at each step: linear warmup, then a cosine down to 10%."""
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+# TODO(lesson 11): wrap(model, parallel, device, precision): 'ddp': DDP; 'fsdp': fully_shard each
+#     block, then the root, with a MixedPrecisionPolicy for bf16
+
+
+def choose_backend(world_size):
+    """NCCL with one process per GPU when there are enough GPUs, else gloo on CPU; and why."""
+    gpus = torch.cuda.device_count()
+    if gpus >= world_size:
+        return "nccl", f"{gpus} GPU(s) visible, one per rank"
+    return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
+
+
+def init_distributed(backend, device, timeout):
+    """env:// reads what torchrun set; a fresh key prefix per restart (lesson 05)."""
+    timeout = datetime.timedelta(seconds=timeout)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=device if device.type == "cuda" else None)
+
+
+def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, precision="fp32",
+         out_dir="out_gpt", lr=3e-3, dropout=0.0, context=64, seed=0, every=100, timeout=600):
+    """One process = one rank. Returns (the model, unwrapped from DDP, this run's losses, the
+    step it started from). timeout: a save hashes the whole checkpoint while the others wait."""
+    if "RANK" not in os.environ:  # plain `python`: a world of one, as nanoGPT's train.py does
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # 0: alone, no peer needs it
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend, reason = choose_backend(int(os.environ["LOCAL_WORLD_SIZE"]))
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    train_set, val_set, what = make_dataset(data, context)
+    net, global_batch = make_model(context, dropout, seed), world_size * accumulate * batch_size
+    # Every setting that changes the numbers; world size, K and batch size only split the batch.
+    size = f"{type(net).__name__}: {sum(p.numel() for p in net.parameters())} parameters"
+    config = dict(data=f"{what}: {len(train_set)} + {len(val_set)} samples", model=size, lr=lr,
+                  parallel=parallel, steps=steps, global_batch=global_batch, precision=precision,
+                  dropout=dropout, context=context, seed=seed, clip=1.0, weight_decay=0.1)
+    try:
+        resume = checkpoint.find(out_dir, config, parallel)  # before any rank starts collectives
+    except checkpoint.BadCheckpoint as error:  # one line, from rank 0 only; nothing overwritten
+        if rank == 0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    init_distributed(backend, device, timeout)
+    writer = model = optimizer = scheduler = None
+    try:  # timeout: gloo raises in a stuck collective; NCCL's watchdog aborts the process
+        chosen = [None] * world_size
+        dist.all_gather_object(chosen, resume)  # every rank must read one folder: a shared disk
+        if len(set(chosen)) > 1:
+            raise RuntimeError(f"the ranks found different checkpoints in {out_dir}: {chosen}")
+        if rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            for unfinished in glob.glob(os.path.join(out_dir, "*.tmp")):  # a save that crashed
+                shutil.rmtree(unfinished) if os.path.isdir(unfinished) else os.remove(unfinished)
+            print(f"backend: {backend} ({reason}); {parallel} on {world_size} rank(s); global "
+                  f"batch {world_size} x {accumulate} x {batch_size} = {global_batch}; "
+                  f"{precision}; data: {what}; resuming from {resume}", flush=True)
+        dist.barrier()
+        dtype = torch.bfloat16 if precision == "bf16" and parallel == "ddp" else None
+        autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+        model, net = wrap(net.to(device), parallel, device, precision), None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps // 10, steps))
+        torch.manual_seed(seed + 1 + rank)  # each rank its own dropout masks, saved and restored
+        start = checkpoint.load(resume, model, optimizer, scheduler, parallel, device) \
+            if resume else 0
+        if rank == 0:  # purge_step: what a crashed attempt logged after the checkpoint is hidden
+            writer = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=start + 1)
+        plain = model.module if parallel == "ddp" else model  # DDP's forward is for training
+        unit = "tokens" if isinstance(train_set, Windows) else "targets"  # what a sample predicts
+        tokens = global_batch * torch.as_tensor(train_set[0][1]).numel()  # per step, all ranks
+        losses, clock = [], time.perf_counter()
+        for step in range(start, steps):
+            batches = micro_batches(train_set, step, rank, world_size, accumulate, batch_size, seed)
+            lr_now = scheduler.get_last_lr()[0]  # this step's learning rate
+            loss, norm = train_step(model, batches, optimizer, parallel, autocast, clip=1.0)
+            scheduler.step()
+            losses.append(loss)
+            done = step + 1
+            if done % every == 0 or done == steps:  # saved first: the evaluation is not in it
+                path = checkpoint.save(out_dir, model, optimizer, scheduler, done, config, parallel,
+                                       device)
+                val_loss, counted = evaluate(plain, val_set, 4 * batch_size, device, autocast)
+                if rank == 0:
+                    rate = tokens * (done - start) / (time.perf_counter() - clock) / world_size
+                    print(f"step {done}/{steps}  loss {loss:.4f} (rank 0)  val {val_loss:.4f} "
+                          f"({counted} {unit})  lr {lr_now:.1e}  {rate:,.0f} {unit}/s per rank  "
+                          f"{(steps - done) * tokens / rate / world_size:.0f} s left; saved {path}",
+                          flush=True)
+                    writer.add_scalar("val/loss", val_loss, done)
+            if writer:
+                writer.add_scalar("train/loss", loss, done)
+                writer.add_scalar("train/grad_norm", norm, done)
+                writer.add_scalar("train/lr", lr_now, done)
+        if unit == "tokens" and hasattr(plain, "generate"):  # what a context-free model scores,
+            text = sample(plain)  # and a sample (every rank: an FSDP forward is a collective)
+            if rank == 0 and start < steps:
+                print(f"validation loss {val_loss:.3f} nats per token; a model that ignores the "
+                      f"context: {unigram_entropy(val_set):.3f} (the unigram entropy)\n"
+                      f"sample: {text!r}", flush=True)
+        return plain, losses, start
+    finally:
+        if writer:
+            writer.close()
+        model = optimizer = scheduler = plain = None  # DDP and FSDP hold the process group:
+        gc.collect()  # release it before destroying it (left to interpreter exit, gloo may abort)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # torchrun runs this file once per rank
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", help="a text file of your own (default: Python's stdlib)")
+    parser.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps in all")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--batch-size", type=int, default=16, help="windows per micro-batch")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--out-dir", default="out_gpt", help="checkpoints and TensorBoard")
+    args = parser.parse_args()
+    main(args.data, args.parallel, args.steps, args.accumulate, args.batch_size, args.precision,
+         args.out_dir)

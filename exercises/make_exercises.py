@@ -1,0 +1,315 @@
+"""Writes the exercises' starter files from the lesson files, so that they cannot drift:
+
+    python exercises/make_exercises.py            # rewrites exercises/NN_name.py
+    python exercises/make_exercises.py --check    # exit 1 if a starter is not what it would write
+
+A starter is the parent lesson's script with this lesson's diff cut out: every hunk of the diff
+(as the README shows it) goes back to the parent's lines, with TODO comments there that say what
+to add, not the code. A few hunks are given whole (the docstring, a comment): they teach nothing
+to type. The lesson's script is the solution. Lesson 11 has no single parent: its starter is the
+script with three functions cut out, each replaced by a TODO.
+
+Each hint is tied to its hunk by a text that must appear in the hunk: when a lesson changes, the
+hints that no longer fit stop this script with the hunk to write a hint for (a test runs --check).
+"""
+import argparse
+import ast
+import difflib
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+GIVEN, SAME = "given", "same"  # see DIFF_EXERCISES
+
+# lesson folder: (parent script, [(text in the change, hint), one per change of the diff, in
+# order]). A hint is the TODO lines to write there, GIVEN (the starter keeps the lesson's lines),
+# or SAME (part of the change before it: reverted, and no second TODO).
+DIFF_EXERCISES = {
+    "02_ddp_spawn": ("00_single_process/single_process.py", [
+        ("Lesson 02", GIVEN), ("--world-size 3", GIVEN),
+        ("import socket", ["import what a process group with a timeout and a free port need"]),
+        ("torch.distributed", ["import torch.distributed and torch.multiprocessing"]),
+        ("DistributedSampler", ["import DDP and DistributedSampler"]),
+        ("on this rank", GIVEN),
+        ("set_epoch", ["each epoch, tell the sampler which epoch it is (else every epoch "
+                       "shuffles alike)"]),
+        ("DDP averages", GIVEN),
+        ("all_reduce", ["log the loss averaged over the ranks (all-reduce a copy), from rank 0 "
+                        "only"]),
+        ("def choose_backend", [
+            "choose_backend(world_size): NCCL when there is a GPU for every rank, else gloo; "
+            "return the reason too",
+            "find_free_port(): let the OS pick a port, never a fixed one",
+            "worker(rank, world_size, port, backend, epochs, batch_size, lr, timeout=60): this "
+            "rank's device; init_process_group with a timeout (and device_id on a GPU); a "
+            "DistributedSampler; the model wrapped in DDP; train; return (the plain model, the "
+            "losses); destroy the process group in a finally",
+            "main(world_size=2, epochs=2, batch_size=16, lr=0.05): print the backend and why, "
+            "then mp.spawn the workers",
+        ]),
+        ("def find_free_port", SAME),
+        ("--world-size", ["a --world-size flag (default 2); the batch size is per rank now "
+                          "(default 16); pass the world size to main"]),
+        ("--batch-size", SAME), ("args.world_size", SAME),
+    ]),
+    "04_sampler_checkpoint": ("02_ddp_spawn/ddp_spawn.py", [
+        ("Lesson 04", GIVEN), ("--ckpt-dir ckpt", GIVEN),
+        ("import hashlib", ["import what the checkpoints need: finding files, hashing, a byte "
+                            "buffer, skipping the steps already done, stderr"]),
+        ("import sys", SAME),
+        ("Subset", ["import Subset: the last 101 samples become a validation set"]),
+        ("Dropout", ["add a Dropout(0.1): the RNG state becomes part of the training state"]),
+        ("def evaluate", [
+            "evaluate(model, dataset, device): each rank counts (correct, total) on an UNPADDED "
+            "share (not a DistributedSampler: it pads), then all-reduce the counts",
+            "find_checkpoint(folder, config): the newest step*.pt whose bytes match the checksum "
+            "in its name; a config that differs, or only damaged files, stop with one line",
+            "checkpoint(folder, model, optimizer, step, config, device): every rank gathers its "
+            "RNG state; rank 0 writes model, optimizer, step, config and the RNG states to a temp "
+            "file, fsyncs, renames it step<N>-<sha256>.pt; then a barrier",
+            "train(model, loader, optimizer, epochs, device, step, val_set, folder, config, "
+            "every=5): the step to start from, and where to save",
+        ]),
+        ("step // len(loader)", ["start at the epoch of `step`, and skip the batches of that "
+                                 "epoch already done"]),
+        ("itertools.islice", SAME),
+        ("step += 1", ["count the steps; checkpoint every `every` steps and at the very end"]),
+        ("evaluate(model.module", ["each epoch, evaluate on val_set and log the accuracy"]),
+        ("accuracy", SAME),
+        ("A fixed port", GIVEN),
+        ("def worker", ["worker also takes folder and resume; it returns the first step too"]),
+        ("Subset(dataset", ["256 samples to train on and 101 held out; the sampler and the "
+                            "loader on the training part only"]),
+        ("train_set", SAME),
+        ("weights_only=True", ["seed each rank's RNG differently (dropout); when resuming, "
+                               "every rank loads the checkpoint (weights_only=True, onto its "
+                               "device): model, optimizer, step and ITS OWN RNG state; train "
+                               "from there"]),
+        ("after step", ["return (model, losses, first step)"]),
+        ('folder="checkpoints"', ["main takes the checkpoint folder"]),
+        ("find_checkpoint(folder", ["main: create the folder, find the checkpoint to resume "
+                                    "from, say which, and pass folder and resume to the workers"]),
+        ("--batch-size", GIVEN),
+        ("--ckpt-dir", ["a --ckpt-dir flag (default checkpoints), passed to main"]),
+        ("args.ckpt_dir", SAME),
+    ]),
+    "05_torchrun_elastic": ("04_sampler_checkpoint/sampler_checkpoint.py", [
+        ("Lesson 05", GIVEN), ("--nproc-per-node=2", GIVEN),
+        ("import socket", ["torchrun gives the port: no socket needed"]),
+        ("torch.multiprocessing", ["torchrun starts the processes: no torch.multiprocessing"]),
+        ("def init_distributed", [
+            "instead of find_free_port, init_distributed(backend, device, timeout): RANK and "
+            "WORLD_SIZE through dist.rendezvous('env://'); under torchrun's own store, a fresh "
+            "key prefix per restart attempt (TORCHELASTIC_RESTART_COUNT); init_process_group "
+            "with that store; return rank and world size",
+        ]),
+        ("def main(epochs", ["instead of worker, main(epochs=2, batch_size=16, lr=0.05, "
+                             "folder='checkpoints', timeout=60): ONE rank, started by torchrun "
+                             "(or plain python: a world of one); its device from LOCAL_RANK"]),
+        ("os.makedirs(folder", ["find the checkpoint BEFORE any collective (a bad folder is one "
+                                "line); rank 0 says the backend, world size and attempt"]),
+        ("step, config = 0", SAME),
+        ("def main(world_size", ["no mp.spawn main: torchrun runs this file once per rank"]),
+        ("--world-size", ["flags: no --world-size (torchrun's --nproc-per-node); --ckpt-dir into "
+                          "`folder`; a --timeout; main(**vars(parser.parse_args()))"]),
+        ("--timeout", SAME),
+    ]),
+    "07_fsdp_dcp": ("02_ddp_spawn/ddp_spawn.py", [
+        ("Lesson 07", GIVEN), ("--world-size 3 --epochs 2", GIVEN),
+        ("import glob", ["import what finding and removing checkpoint folders needs"]),
+        ("import shutil", SAME), ("import time", GIVEN),
+        ("torch.distributed.checkpoint", ["import torch.distributed.checkpoint"]),
+        ("fully_shard", ["import get_state_dict, set_state_dict and fully_shard (no DDP)"]),
+        ("first_epoch", ["train(model, loader, optimizer, epochs, device, first_epoch, folder)"]),
+        ("range(first_epoch", ["start at first_epoch"]),
+        ("reduce-scatters", GIVEN),
+        ("save_checkpoint(folder", ["after each epoch, every rank saves a checkpoint; rank 0 "
+                                    "says where"]),
+        ("on rank 0; saved", SAME),
+        ("def save_checkpoint", [
+            "save_checkpoint(folder, model, optimizer, epoch): get_state_dict (this rank's "
+            "shards), dcp.save to epochNNNN.tmp, then rank 0 renames it; barriers around",
+            "load_checkpoint(path, model, optimizer): dcp.load into this rank's state dicts, "
+            "then set_state_dict; return the epoch",
+            "find_checkpoint(folder): the newest finished epoch* folder, or None",
+        ]),
+        ("NCCL with one process", GIVEN),
+        ("def worker", ["worker also takes folder and resume"]),
+        ("The loader's own generator", GIVEN),
+        ("init_device_mesh", ["instead of DDP: a 1-D device mesh; fully_shard each Linear, then "
+                              "the root; the optimizer AFTER sharding; load the checkpoint when "
+                              "resuming; train from its epoch"]),
+        ("FSDP holds", GIVEN),
+        ('folder="ckpt_fsdp"', ["main takes the checkpoint folder"]),
+        ("epoch*.tmp", ["main: remove unfinished epoch*.tmp folders, find the checkpoint, pass "
+                        "folder and resume to the workers"]),
+        ("--epochs", GIVEN),
+        ("--out-dir", ["an --out-dir flag (default ckpt_fsdp), passed to main"]),
+        ("args.out_dir", SAME),
+    ]),
+    "09_training_loop": ("02_ddp_spawn/ddp_spawn.py", [
+        ("Lesson 09", GIVEN),
+        ("import contextlib", ["import contextlib (a context that does nothing)"]),
+        ("Join", ["import Join"]),
+        ("SummaryWriter", ["import TensorBoard's SummaryWriter"]),
+        ("def train_step", [
+            "train_step(model, micro_batches, optimizer, precision, max_norm, device): K "
+            "micro-batches, all but the last under no_sync(); backward of loss / K; bf16 autocast "
+            "when asked; clip the grad norm; step; return [loss sum, correct, samples] and the "
+            "norm",
+            "train(model, loader, optimizer, epochs, accumulate, precision, max_norm, writer, "
+            "device): returns the grad norms",
+        ]),
+        ("model.train()", SAME),
+        ("with Join([model])", ["K batches at a time under Join([model]); sum each rank's "
+                                "totals; log loss, accuracy, grad norm and lr to the writer"]),
+        ("each ", ["print the loss and accuracy over all ranks, and each rank's own loss"]),
+        ("NCCL with one process", GIVEN),
+        ("def worker", ["worker(rank, world_size, port, backend, epochs, accumulate, precision, "
+                        "log_dir, batch_size=16, lr=0.05, max_norm=1.0, timeout=60)"]),
+        ("writer = None", ["writer = None before the try (the finally closes it)"]),
+        ("SummaryWriter(log_dir)", ["rank 0 opens a SummaryWriter when given log_dir"]),
+        ("The loader's own generator", GIVEN),
+        ("drop_last=True", ["drop_last=True: every rank the same number of batches"]),
+        ("norms = train(", ["call train with accumulate, precision, max_norm and the writer"]),
+        ("return model.module, norms", ["return the norms"]),
+        ("writer.close()", ["close the writer"]),
+        ("def main(world_size", ["main(world_size=2, epochs=2, accumulate=2, precision='fp32', "
+                                 "log_dir=None): say what one step holds; spawn with them"]),
+        ("micro-batches x 16", SAME),
+        ("--accumulate", ["flags --accumulate (2), --precision (fp32 or bf16), --log-dir"]),
+        ("args.accumulate", SAME),
+    ]),
+}
+
+# Lesson 11: (functions cut out of the script, {function: hint lines})
+CUT_EXERCISES = {
+    "11_train_gpt": ("train_gpt.py", {
+        "micro_batches": [
+            "micro_batches(dataset, step, rank, world_size, accumulate, batch_size, seed): this "
+            "rank's share of the step's windows (step_windows), as a DataLoader of `accumulate` "
+            "micro-batches, with its own generator",
+        ],
+        "train_step": [
+            "train_step(model, batches, optimizer, parallel, autocast, clip): one optimizer step "
+            "over K micro-batches; gradients reduced once, on the last (DDP: no_sync(); FSDP: "
+            "set_requires_gradient_sync); backward of loss / K; clip; step; zero the grads; "
+            "return (this rank's mean loss, the grad norm before clipping)",
+        ],
+        "wrap": [
+            "wrap(model, parallel, device, precision): 'ddp': DDP; 'fsdp': fully_shard each "
+            "block, then the root, with a MixedPrecisionPolicy for bf16",
+        ],
+    }),
+}
+
+
+def todo(lines, indent, lesson):
+    width = 100 - len(indent) - 2
+    out = []
+    for i, line in enumerate(lines):
+        words, current = line.split(), ""
+        prefix = f"TODO(lesson {lesson[:2]}): " if i == 0 else "TODO: "
+        for word in words:
+            if current and len(prefix + current + word) >= width:
+                out.append(f"{indent}# {prefix}{current.rstrip()}")
+                prefix, current = "    ", ""
+            current += word + " "
+        out.append(f"{indent}# {prefix}{current.rstrip()}")
+    return out
+
+
+def header(lesson, solution, note):
+    return [f"# Exercise {lesson[:2]}: {note}",
+            f"# The TODOs say what to add. Solution: {solution}.",
+            f"# Grade your copy: python {lesson}/prove.py --lesson YOUR_COPY.py"]
+
+
+def diff_starter(lesson):
+    parent_path, hints = DIFF_EXERCISES[lesson]
+    parent = (REPO / parent_path).read_text().splitlines()
+    solution = REPO / lesson / f"{lesson.split('_', 1)[1]}.py"
+    current = solution.read_text().splitlines()
+    changes = [op for op in difflib.SequenceMatcher(None, parent, current, autojunk=False)
+               .get_opcodes() if op[0] != "equal"]
+    command = f"python tests/lesson_diff.py {parent_path} {solution.relative_to(REPO)}"
+    if len(changes) != len(hints):
+        raise SystemExit(f"{lesson}: the diff from {parent_path} has {len(changes)} changes, the "
+                         f"hints {len(hints)}: write one per change ({command})")
+    decision = {}
+    for number, ((tag, i1, i2, j1, j2), (key, hint)) in enumerate(zip(changes, hints)):
+        lines = parent[i1:i2] + current[j1:j2]
+        if not any(key in line for line in lines):
+            raise SystemExit(f"{lesson}: change {number} no longer contains {key!r}: its hint is "
+                             f"stale ({command}):\n" + "\n".join(lines[:8]))
+        decision[(i1, j1)] = hint
+    out = header(lesson, f"{solution.relative_to(REPO)}",
+                 f"turn lesson {parent_path[:2]}'s script into lesson {lesson[:2]}'s")
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, parent, current,
+                                                       autojunk=False).get_opcodes():
+        hint = decision.get((i1, j1))
+        if tag == "equal" or hint == GIVEN:
+            out += current[j1:j2]
+            continue
+        if hint != SAME:
+            first = (parent[i1:i2] or current[j1:j2])[0]
+            out += todo(hint, first[:len(first) - len(first.lstrip())], lesson)
+        out += parent[i1:i2]
+    return "\n".join(out) + "\n"
+
+
+def cut_starter(lesson):
+    script, hints = CUT_EXERCISES[lesson]
+    path = REPO / lesson / script
+    lines = path.read_text().splitlines()
+    cuts = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name in hints:
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            cuts[start] = (node.end_lineno, node.name)
+    missing = set(hints) - {name for _, name in cuts.values()}
+    if missing:
+        raise SystemExit(f"{lesson}/{script} no longer defines {sorted(missing)}: the hints are stale")
+    out = header(lesson, f"{lesson}/{script}", "write the three functions where each lesson meets "
+                 "the others; keep this file beside model.py and checkpoint.py (in 11_train_gpt/)")
+    number = 0
+    while number < len(lines):
+        if number in cuts:
+            end, name = cuts[number]
+            out += todo(hints[name], "", lesson)
+            number = end
+            continue
+        out.append(lines[number])
+        number += 1
+    return "\n".join(out) + "\n"
+
+
+def starters():
+    """{file name: text} for every exercise."""
+    made = {f"{lesson}.py": diff_starter(lesson) for lesson in DIFF_EXERCISES}
+    made.update({f"{lesson}.py": cut_starter(lesson) for lesson in CUT_EXERCISES})
+    return made
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, text in starters().items():
+        path = HERE / name
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+            print(f"wrote exercises/{name} ({len(text.splitlines())} lines)")
+    if stale:
+        print(f"stale: {', '.join(stale)}: run python exercises/make_exercises.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
