@@ -201,3 +201,71 @@ def test_one_reading_order_and_every_next_agrees_with_it():
         readme = next(REPO.glob(f"{number}_*/README.md")).read_text()
         named = re.findall(r"Next: lesson (\d\d)", readme)
         assert (set(named) == {following}) if following else not named, (number, named)
+
+
+# A lesson README reads in 10 minutes (issue 24): at most this many words, code blocks included.
+README_WORDS = 1400
+# The terms a README must define where it first uses them, or link to the glossary there; each with
+# the pattern that finds a use (in prose or inline code; headings, code blocks, link targets aside).
+TERMS = {"rank": r"\branks?\b", "world size": r"\bworld[ _]size", "local rank": r"\blocal[ _]rank",
+         "process group": r"\bprocess[ _]groups?\b", "backend": r"\bbackends?\b",
+         "NCCL": r"\bNCCL\b", "gloo": r"\bgloo\b", "mp.spawn": r"\bmp\.spawn\b",
+         "torchrun": r"\btorchrun\b", "rendezvous": r"\brendezvous\b", "elastic": r"\belastic\b",
+         "collective": r"\bcollectives?\b", "all-reduce": r"\ball[-_ ]?reduc", "broadcast": r"\bbroadcast",
+         "all-gather": r"\ball[-_ ]?gather", "reduce-scatter": r"\breduce[-_ ]?scatter",
+         "bucket": r"\bbuckets?\b", "DDP": r"\bDDP\b", "DistributedSampler": r"\bDistributedSampler\b",
+         "shard": r"\bshard", "ZeRO": r"(?-i:\bZeRO\b)", "FSDP": r"\bFSDP", "DTensor": r"\bDTensor",
+         "DeviceMesh": r"\bDeviceMesh\b|\bdevice mesh", "DCP": r"\bDCP\b", "RRef": r"\bRRefs?\b",
+         "micro-batch": r"\bmicro-?batch", "pipeline parallelism": r"\bpipelin",
+         "gradient accumulation": r"\bgradient accumulation", "mixed precision": r"\bmixed precision"}
+GLOSSARY_LINK = re.compile(r"\[([^\]]*)\]\(\.\./GLOSSARY\.md#([\w-]+)\)")
+
+
+def readme_prose(text):
+    """The README with code blocks, HTML comments, headings and link targets blanked (same offsets)."""
+    blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))  # noqa: E731
+    text = re.sub(r"^```.*?^```", blank, text, flags=re.S | re.M)
+    text = re.sub(r"<!--.*?-->", blank, text, flags=re.S)
+    text = re.sub(r"^#.*$", blank, text, flags=re.M)
+    return re.sub(r"(?<=\])\([^)]*\)", blank, text)
+
+
+def undefined_first_uses(text):
+    """[(term, line)] for each term whose first use is neither in **bold** nor a glossary link."""
+    prose, found = readme_prose(text), []
+    linked = [(m.start(1), m.end(1)) for m in GLOSSARY_LINK.finditer(text)]
+    bold = [(m.start(1), m.end(1)) for m in re.finditer(r"\*\*(.+?)\*\*", prose, flags=re.S)]
+    for term, pattern in TERMS.items():
+        use = re.search(pattern, prose, flags=re.I)
+        if use and not any(a <= use.start() < b for a, b in linked + bold):
+            found.append((term, text.count("\n", 0, use.start()) + 1))
+    return found
+
+
+@pytest.mark.parametrize("folder", SHAPED, ids=lambda p: p.name)
+def test_every_lesson_readme_reads_in_ten_minutes(folder):
+    words = len((folder / "README.md").read_text().split())
+    assert words <= README_WORDS, f"{words} words (code included): move the depth to NOTES.md"
+
+
+@pytest.mark.parametrize("folder", SHAPED, ids=lambda p: p.name)
+def test_every_term_is_defined_or_linked_to_the_glossary_where_first_used(folder):
+    missing = undefined_first_uses((folder / "README.md").read_text())
+    assert not missing, ("first used without a definition (**bold** there) or a link to "
+                         f"../GLOSSARY.md#term: {missing}")
+
+
+def test_the_glossary_has_every_term_and_every_link_lands_on_one():
+    anchors = {re.sub(r"[^\w -]", "", h.lower()).replace(" ", "-")
+               for h in re.findall(r"^### (.+)$", (REPO / "GLOSSARY.md").read_text(), flags=re.M)}
+    assert {re.sub(r"[^\w -]", "", t.lower()).replace(" ", "-") for t in TERMS} <= anchors
+    for readme in REPO.glob("[0-9][0-9]_*/README.md"):
+        for m in GLOSSARY_LINK.finditer(readme.read_text()):
+            assert m.group(2) in anchors, f"{readme.parent.name}: no glossary entry #{m.group(2)}"
+
+
+def test_the_term_check_can_fail():
+    assert undefined_first_uses("Each rank runs.\n") == [("rank", 1)]
+    assert undefined_first_uses("Each [rank](../GLOSSARY.md#rank) runs; a rank.\n") == []
+    assert undefined_first_uses("A **rank** is a process.\n```\nrank\n```\n") == []
+    assert undefined_first_uses("# DDP\n[a](../06_collectives/README.md) then DDP\n") == [("DDP", 2)]

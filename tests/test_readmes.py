@@ -10,6 +10,8 @@ Markers, written as an HTML comment on the line just before a fenced block:
                                     number of lines
   <!-- diff: A B -->   ```diff      exactly `python tests/lesson_diff.py A B`: the real diff between
                                     two lesson scripts, so the README's diff cannot go stale
+  <!-- excerpt: FILE --> ```python  lines of FILE, in its order (lines left out between them, and
+                                    '...' lines, are fine): an excerpt cannot go stale either
 """
 import re
 import subprocess
@@ -35,14 +37,16 @@ def blocks():
 
 
 ALL_BLOCKS = list(blocks())
-PYTHON = [b for b in ALL_BLOCKS if b.values[1] == "python" and b.values[0] != "fragment"]
+PYTHON = [b for b in ALL_BLOCKS if b.values[1] == "python" and b.values[0] != "fragment"
+          and not b.values[0].startswith("excerpt:")]
+EXCERPTS = [b for b in ALL_BLOCKS if b.values[0].startswith("excerpt:")]
 OUTPUTS = [b for b in ALL_BLOCKS if b.values[0].startswith("output:")]
 DIFFS = [b for b in ALL_BLOCKS if b.values[0].startswith("diff:")]
 
 
 def test_every_marker_is_known():
     for mark, lang, _ in (b.values for b in ALL_BLOCKS):
-        assert mark in ("", "fragment") or mark.startswith(("mistake:", "output:", "diff:")), \
+        assert mark in ("", "fragment") or mark.startswith(("mistake:", "output:", "diff:", "excerpt:")), \
             f"unknown marker {mark!r}"
         if mark.startswith("output:"):
             assert lang == "text", "an output block is a ```text block"
@@ -133,3 +137,29 @@ def test_diff_check_can_fail(tmp_path):
     for stale in (header + hunks[0].replace("y = 5", "y = 7"), header + hunks[1] + hunks[0], hunks[0]):
         with pytest.raises(AssertionError):
             assert_shows_real_hunks(stale, real, "")
+
+
+def missing_from(excerpt, source):
+    """The excerpt's lines (stripped, end-of-line comments dropped, blank and '...' lines aside)
+    that are not, in this order, lines of the source: [] when it is a true excerpt."""
+    code = lambda line: line.split("  # ")[0].strip()  # noqa: E731
+    lines, at = iter(code(line) for line in source.splitlines()), []
+    for line in (code(x) for x in excerpt.splitlines()):
+        if line and line != "..." and line not in lines:  # `in` consumes: the order is kept
+            at.append(line)
+    return at
+
+
+@pytest.mark.parametrize("mark, lang, shown", EXCERPTS)
+def test_excerpt_is_lines_of_its_file_in_order(mark, lang, shown):
+    path = REPO / mark.split(":", 1)[1].strip()
+    assert not missing_from(shown, path.read_text()), f"not in {path.name}, in this order: {missing_from(shown, path.read_text())}"
+
+
+def test_excerpt_check_can_fail():
+    source = "a = 1\n    b = 2\nc = 3\n"
+    assert missing_from("a = 1\n...\nc = 3\n", source) == []
+    assert missing_from("c = 3\na = 1\n", source) == ["a = 1"]
+    assert missing_from("a = 1\nb = 3\n", source) == ["b = 3"]
+    assert missing_from("a = 1  # a comment the file lacks\n", source) == []
+
