@@ -114,7 +114,8 @@ def build(lessons, out_dir):
     paths = [os.path.join(out_dir, name) for name in
              ("workshop.ipynb", "workshop.slides.html", "workshop.html")]
     nbformat.write(nb, paths[0])
-    slides, _ = SlidesExporter(reveal_scroll=True).from_notebook_node(nb)
+    slides, _ = SlidesExporter(reveal_scroll=True, reveal_width="1400",  # 100-column code fits
+                               reveal_height="900").from_notebook_node(nb)
     page, _ = HTMLExporter().from_notebook_node(nb)
     for path, text in zip(paths[1:], (slides, page)):
         Path(path).write_text(text, encoding="utf-8")
