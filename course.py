@@ -197,6 +197,12 @@ def hard_killed():
 
 def max_abs_diff(state_a, state_b):
     """Largest element-wise difference between two state dicts (0.0: bit-identical)."""
+    if state_a.keys() != state_b.keys():  # a learner's file (--lesson) returned something else
+        wrapped = any(k.startswith("module.") for k in list(state_a) + list(state_b))
+        raise SystemExit("the lesson returned a model whose weights are named "
+                         f"{sorted(state_a)[:2]}, not {sorted(state_b)[:2]}" + (
+                             ": return model.module, the model DDP wraps, not the DDP wrapper"
+                             if wrapped else ""))
     return max((state_a[k].double() - state_b[k].double()).abs().max().item() for k in state_a)
 
 

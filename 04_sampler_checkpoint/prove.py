@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -232,7 +233,13 @@ def spawn(run, args, backend, out_dir, folder, resume=None, kill=None, crash_ran
 
 
 def steps_in(folder):
-    return [int(name[4:11]) for name in sorted(os.listdir(folder)) if name.endswith(".pt")]
+    """The steps of the checkpoints in `folder`, from their names (step0000010-<16 hex>.pt)."""
+    names = sorted(name for name in os.listdir(folder) if name.endswith(".pt"))
+    wrong = [name for name in names if not re.fullmatch(r"step\d{7}-[0-9a-f]{16}\.pt", name)]
+    if wrong:  # the lesson's find_checkpoint sorts names: the step must be zero-padded
+        course.refuse(f"checkpoint {wrong[0]} is not named step<7-digit step>-<16 hex of sha256>.pt "
+                      "(as step0000010-52213e6d78397421.pt): the lab reads the step from the name")
+    return [int(name[4:11]) for name in names]
 
 
 def evaluate_alone(state):
@@ -310,7 +317,8 @@ def main(argv=None):
     dw = max(course.max_abs_diff(s["state"], r["state"]) for s, r in zip(ranks, resumed))
     same_weights = all(torch.equal(s["state"][k], r["state"][k]) for s, r in zip(ranks, resumed)
                        for k in s["state"])
-    counted = [ranks[0]["evaluations"][-1][1], resumed[0]["evaluations"][-1][1]]
+    # list(): a learner's evaluate() may return (correct, total) as a tuple, as its docstring says
+    counted = [list(ranks[0]["evaluations"][-1][1]), list(resumed[0]["evaluations"][-1][1])]
     alone = [evaluate_alone(ranks[0]["state"]), evaluate_alone(resumed[0]["state"])]
     exact_eval = counted == alone  # each run's count, against one process on that run's weights
     print(f"losses after the resume, {len(resumed[0]['losses'])} steps x {args.world_size} ranks: "

@@ -54,15 +54,17 @@ def train(model, loader, optimizer, epochs, device):
     return losses
 
 
-# TODO(lesson 02): choose_backend(world_size): NCCL when there is a GPU for every rank, else gloo;
-#     return the reason too
-# TODO: find_free_port(): let the OS pick a port, never a fixed one
-# TODO: worker(rank, world_size, port, backend, epochs, batch_size, lr, timeout=60): this rank's
-#     device; init_process_group with a timeout (and device_id on a GPU); a DistributedSampler; the
-#     model wrapped in DDP; train; return (the plain model, the losses); destroy the process group
-#     in a finally
-# TODO: main(world_size=2, epochs=2, batch_size=16, lr=0.05): print the backend and why, then
-#     mp.spawn the workers
+# TODO(lesson 02): choose_backend(world_size): ('nccl', why) when torch.cuda.device_count() gives a
+#     GPU for every rank, else ('gloo', why)
+# TODO(lesson 02): find_free_port(): bind a socket to port 0 on 127.0.0.1 and return the port the
+#     OS chose (a fixed port collides with other jobs)
+# TODO(lesson 02): worker(rank, world_size, port, backend, epochs, batch_size, lr, timeout=60):
+#     this rank's device (on CPU, its share of the cores: torch.set_num_threads);
+#     init_process_group at tcp://127.0.0.1:port with a timeout (and device_id on a GPU); a
+#     DistributedSampler; the model wrapped in DDP; train; return (model.module, the losses): the
+#     model DDP wraps, not the wrapper; destroy the process group in a finally
+# TODO(lesson 02): main(world_size=2, epochs=2, batch_size=16, lr=0.05): print the backend and why,
+#     then mp.spawn the workers
 def main(epochs=2, batch_size=32, lr=0.05):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"device: {device} ({'a GPU is visible' if device.type == 'cuda' else 'no GPU visible'})")

@@ -41,13 +41,14 @@ def make_model(seed=0):
 
 # TODO(lesson 04): evaluate(model, dataset, device): each rank counts (correct, total) on an
 #     UNPADDED share (not a DistributedSampler: it pads), then all-reduce the counts
-# TODO: find_checkpoint(folder, config): the newest step*.pt whose bytes match the checksum in its
-#     name; a config that differs, or only damaged files, stop with one line
-# TODO: checkpoint(folder, model, optimizer, step, config, device): every rank gathers its RNG
-#     state; rank 0 writes model, optimizer, step, config and the RNG states to a temp file,
-#     fsyncs, renames it step<N>-<sha256>.pt; then a barrier
-# TODO: train(model, loader, optimizer, epochs, device, step, val_set, folder, config, every=5):
-#     the step to start from, and where to save
+# TODO(lesson 04): find_checkpoint(folder, config): the newest step*.pt whose bytes match the
+#     checksum in its name; a config that differs, or only damaged files, stop with one line
+# TODO(lesson 04): checkpoint(folder, model, optimizer, step, config, device): every rank gathers
+#     its RNG state; rank 0 writes model, optimizer, step, config and the RNG states to a temp
+#     file, fsyncs, renames it step<step in 7 digits>-<first 16 hex of its sha256>.pt
+#     (step0000010-52213e6d78397421.pt: names sort by step), keeps the two newest; then a barrier
+# TODO(lesson 04): train(model, loader, optimizer, epochs, device, step, val_set, folder, config,
+#     every=5): the step to start from, and where to save
 def train(model, loader, optimizer, epochs, device):
     """Forward, loss, backward, step; returns the loss of every step on this rank."""
     losses = []

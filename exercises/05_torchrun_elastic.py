@@ -137,10 +137,11 @@ def choose_backend(world_size):
     return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
 
 
-# TODO(lesson 05): instead of find_free_port, init_distributed(backend, device, timeout): RANK and
-#     WORLD_SIZE through dist.rendezvous('env://'); under torchrun's own store, a fresh key prefix
-#     per restart attempt (TORCHELASTIC_RESTART_COUNT); init_process_group with that store; return
-#     rank and world size
+# TODO(lesson 05): instead of find_free_port, init_distributed(backend, device, timeout): the
+#     store, rank and world size from dist.rendezvous('env://'); when TORCHELASTIC_USE_AGENT_STORE
+#     is 'True' (torchrun's own store, which outlives a restart), wrap it in a PrefixStore named
+#     after TORCHELASTIC_RESTART_COUNT; init_process_group with that store, the timeout, and
+#     device_id on a GPU
 def find_free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,16 +149,17 @@ def find_free_port():
 
 
 # TODO(lesson 05): instead of worker, main(epochs=2, batch_size=16, lr=0.05, folder='checkpoints',
-#     timeout=60): ONE rank, started by torchrun (or plain python: a world of one); its device from
-#     LOCAL_RANK
+#     timeout=60): ONE rank. Under plain python (no RANK in the environment) set what torchrun
+#     would for a world of one (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+#     MASTER_PORT=0); the backend from LOCAL_WORLD_SIZE, the device from LOCAL_RANK; find the
+#     checkpoint BEFORE any collective (a bad folder is one line); rank 0 says the backend, world
+#     size and attempt; then init_distributed and the worker's training
 def worker(rank, world_size, port, backend, epochs, batch_size, lr, folder, resume, timeout=60):
     """One rank; mp.spawn starts ranks 0 .. world_size-1 on ONE machine, so the rank is the GPU
     (several nodes: LOCAL_RANK, lesson 05). Returns the model, losses and the first step."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # TODO(lesson 05): find the checkpoint BEFORE any collective (a bad folder is one line); rank 0
-    #     says the backend, world size and attempt
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -207,8 +209,8 @@ def main(world_size=2, epochs=2, batch_size=16, lr=0.05, folder="checkpoints"):
 
 if __name__ == "__main__":  # required: mp.spawn re-imports this file in every child
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # TODO(lesson 05): flags: no --world-size (torchrun's --nproc-per-node); --ckpt-dir into
-    #     `folder`; a --timeout; main(**vars(parser.parse_args()))
+    # TODO(lesson 05): flags: no --world-size (torchrun's --nproc-per-node); --ckpt-dir with
+    #     dest='folder'; a --timeout; main(**vars(parser.parse_args()))
     parser.add_argument("--world-size", type=int, default=2, help="processes to start (default 2)")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
     parser.add_argument("--batch-size", type=int, default=16, help="per rank (default 16)")

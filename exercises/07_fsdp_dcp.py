@@ -12,13 +12,15 @@ import gc
 # TODO(lesson 07): import what finding and removing checkpoint folders needs
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
-# TODO(lesson 07): import torch.distributed.checkpoint
+# TODO(lesson 07): import torch.distributed.checkpoint (as dcp)
 import torch.multiprocessing as mp
 import torch.nn as nn
-# TODO(lesson 07): import get_state_dict, set_state_dict and fully_shard (no DDP)
+# TODO(lesson 07): import get_state_dict and set_state_dict from
+#     torch.distributed.checkpoint.state_dict, fully_shard from torch.distributed.fsdp (and no DDP)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -63,9 +65,9 @@ def train(model, loader, optimizer, epochs, device):
 
 # TODO(lesson 07): save_checkpoint(folder, model, optimizer, epoch): get_state_dict (this rank's
 #     shards), dcp.save to epochNNNN.tmp, then rank 0 renames it; barriers around
-# TODO: load_checkpoint(path, model, optimizer): dcp.load into this rank's state dicts, then
-#     set_state_dict; return the epoch
-# TODO: find_checkpoint(folder): the newest finished epoch* folder, or None
+# TODO(lesson 07): load_checkpoint(path, model, optimizer): dcp.load into this rank's state dicts,
+#     then set_state_dict; return the epoch
+# TODO(lesson 07): find_checkpoint(folder): the newest finished epoch* folder, or None
 def choose_backend(world_size):
     gpus = torch.cuda.device_count()
     if gpus >= world_size:

@@ -42,8 +42,8 @@ def make_model(seed=0):
 # TODO(lesson 09): train_step(model, micro_batches, optimizer, precision, max_norm, device): K
 #     micro-batches, all but the last under no_sync(); backward of loss / K; bf16 autocast when
 #     asked; clip the grad norm; step; return [loss sum, correct, samples] and the norm
-# TODO: train(model, loader, optimizer, epochs, accumulate, precision, max_norm, writer, device):
-#     returns the grad norms
+# TODO(lesson 09): train(model, loader, optimizer, epochs, accumulate, precision, max_norm, writer,
+#     device): returns the grad norms
 def train(model, loader, optimizer, epochs, device):
     """Forward, loss, backward, step; returns the loss of every step on this rank."""
     losses = []

@@ -38,13 +38,16 @@ DIFF_EXERCISES = {
         ("all_reduce", ["log the loss averaged over the ranks (all-reduce a copy), from rank 0 "
                         "only"]),
         ("def choose_backend", [
-            "choose_backend(world_size): NCCL when there is a GPU for every rank, else gloo; "
-            "return the reason too",
-            "find_free_port(): let the OS pick a port, never a fixed one",
+            "choose_backend(world_size): ('nccl', why) when torch.cuda.device_count() gives a "
+            "GPU for every rank, else ('gloo', why)",
+            "find_free_port(): bind a socket to port 0 on 127.0.0.1 and return the port the OS "
+            "chose (a fixed port collides with other jobs)",
             "worker(rank, world_size, port, backend, epochs, batch_size, lr, timeout=60): this "
-            "rank's device; init_process_group with a timeout (and device_id on a GPU); a "
-            "DistributedSampler; the model wrapped in DDP; train; return (the plain model, the "
-            "losses); destroy the process group in a finally",
+            "rank's device (on CPU, its share of the cores: torch.set_num_threads); "
+            "init_process_group at tcp://127.0.0.1:port with a timeout (and device_id on a GPU); "
+            "a DistributedSampler; the model wrapped in DDP; train; return (model.module, the "
+            "losses): the model DDP wraps, not the wrapper; destroy the process group in a "
+            "finally",
             "main(world_size=2, epochs=2, batch_size=16, lr=0.05): print the backend and why, "
             "then mp.spawn the workers",
         ]),
@@ -67,7 +70,9 @@ DIFF_EXERCISES = {
             "in its name; a config that differs, or only damaged files, stop with one line",
             "checkpoint(folder, model, optimizer, step, config, device): every rank gathers its "
             "RNG state; rank 0 writes model, optimizer, step, config and the RNG states to a temp "
-            "file, fsyncs, renames it step<N>-<sha256>.pt; then a barrier",
+            "file, fsyncs, renames it step<step in 7 digits>-<first 16 hex of its sha256>.pt "
+            "(step0000010-52213e6d78397421.pt: names sort by step), keeps the two newest; then "
+            "a barrier",
             "train(model, loader, optimizer, epochs, device, step, val_set, folder, config, "
             "every=5): the step to start from, and where to save",
         ]),
@@ -99,28 +104,35 @@ DIFF_EXERCISES = {
         ("import socket", ["torchrun gives the port: no socket needed"]),
         ("torch.multiprocessing", ["torchrun starts the processes: no torch.multiprocessing"]),
         ("def init_distributed", [
-            "instead of find_free_port, init_distributed(backend, device, timeout): RANK and "
-            "WORLD_SIZE through dist.rendezvous('env://'); under torchrun's own store, a fresh "
-            "key prefix per restart attempt (TORCHELASTIC_RESTART_COUNT); init_process_group "
-            "with that store; return rank and world size",
+            "instead of find_free_port, init_distributed(backend, device, timeout): the store, "
+            "rank and world size from dist.rendezvous('env://'); when TORCHELASTIC_USE_AGENT_STORE "
+            "is 'True' (torchrun's own store, which outlives a restart), wrap it in a PrefixStore "
+            "named after TORCHELASTIC_RESTART_COUNT; init_process_group with that store, the "
+            "timeout, and device_id on a GPU",
         ]),
-        ("def main(epochs", ["instead of worker, main(epochs=2, batch_size=16, lr=0.05, "
-                             "folder='checkpoints', timeout=60): ONE rank, started by torchrun "
-                             "(or plain python: a world of one); its device from LOCAL_RANK"]),
-        ("os.makedirs(folder", ["find the checkpoint BEFORE any collective (a bad folder is one "
-                                "line); rank 0 says the backend, world size and attempt"]),
+        ("def main(epochs", [
+            "instead of worker, main(epochs=2, batch_size=16, lr=0.05, folder='checkpoints', "
+            "timeout=60): ONE rank. Under plain python (no RANK in the environment) set what "
+            "torchrun would for a world of one (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, "
+            "MASTER_ADDR, MASTER_PORT=0); the backend from LOCAL_WORLD_SIZE, the device from "
+            "LOCAL_RANK; find the checkpoint BEFORE any collective (a bad folder is one line); "
+            "rank 0 says the backend, world size and attempt; then init_distributed and the "
+            "worker's training"]),
+        ("os.makedirs(folder", SAME),
         ("step, config = 0", SAME),
         ("def main(world_size", ["no mp.spawn main: torchrun runs this file once per rank"]),
-        ("--world-size", ["flags: no --world-size (torchrun's --nproc-per-node); --ckpt-dir into "
-                          "`folder`; a --timeout; main(**vars(parser.parse_args()))"]),
+        ("--world-size", ["flags: no --world-size (torchrun's --nproc-per-node); --ckpt-dir "
+                          "with dest='folder'; a --timeout; main(**vars(parser.parse_args()))"]),
         ("--timeout", SAME),
     ]),
     "07_fsdp_dcp": ("02_ddp_spawn/ddp_spawn.py", [
         ("Lesson 07", GIVEN), ("--world-size 3 --epochs 2", GIVEN),
         ("import glob", ["import what finding and removing checkpoint folders needs"]),
-        ("import shutil", SAME), ("import time", GIVEN),
-        ("torch.distributed.checkpoint", ["import torch.distributed.checkpoint"]),
-        ("fully_shard", ["import get_state_dict, set_state_dict and fully_shard (no DDP)"]),
+        ("import shutil", SAME), ("import time", SAME),
+        ("torch.distributed.checkpoint", ["import torch.distributed.checkpoint (as dcp)"]),
+        ("fully_shard", ["import get_state_dict and set_state_dict from "
+                         "torch.distributed.checkpoint.state_dict, fully_shard from "
+                         "torch.distributed.fsdp (and no DDP)"]),
         ("first_epoch", ["train(model, loader, optimizer, epochs, device, first_epoch, folder)"]),
         ("range(first_epoch", ["start at first_epoch"]),
         ("reduce-scatters", GIVEN),
@@ -208,9 +220,9 @@ CUT_EXERCISES = {
 def todo(lines, indent, lesson):
     width = 100 - len(indent) - 2
     out = []
-    for i, line in enumerate(lines):
+    for line in lines:
         words, current = line.split(), ""
-        prefix = f"TODO(lesson {lesson[:2]}): " if i == 0 else "TODO: "
+        prefix = f"TODO(lesson {lesson[:2]}): "
         for word in words:
             if current and len(prefix + current + word) >= width:
                 out.append(f"{indent}# {prefix}{current.rstrip()}")

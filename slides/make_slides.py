@@ -20,7 +20,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(?:<!--\s*(?P<mark>[^\n]*?)\s*-->[ \t]*\n)?^```(?P<lang>[\w+-]*)[ \t]*\n"
                    r"(?P<body>.*?)^```", re.S | re.M)
-MAX_LINES = 40  # a slide's code block; the rest goes on the next slide
+MAX_LINES = 22  # a slide's code block that fits 1280 x 720 (checked in a screenshot); the rest: next
+# Pygments' classes for diff lines, which the exported page leaves uncoloured; bigger code.
+STYLE = ("<style>.gi { color: #116329; background: #dafbe1; } .gd { color: #82071e; "
+         "background: #ffebe9; } .reveal pre, .jp-RenderedHTMLCommon pre { font-size: 1.05em; }"
+         "</style>")
 
 
 def reading_order():
@@ -75,6 +79,11 @@ def lesson_slides(folder):
             "The diff", "diff", diff.group("body"), f"`{diff.group('mark').split(':', 1)[1].strip()}`\n\n")]
     elif diff_section:  # the capstone: a table of where each part comes from
         slides.append(("subslide", f"### Where each part comes from\n\n{plain(diff_section).strip()}"))
+    for excerpt in BLOCK.finditer(diff_section):  # the lesson's code the README shows whole
+        if (excerpt.group("mark") or "").startswith("excerpt:"):
+            path = excerpt.group("mark").split(":", 1)[1].strip()
+            slides += [("subslide", s) for s in code_slides(
+                "The code", "python", excerpt.group("body"), f"from `{path}`\n\n")]
     for name in ("Run it", "See the proof fail"):
         run = first_block(parts.get(name, ""), mark="output:")
         if run:
@@ -118,7 +127,7 @@ def build(lessons, out_dir):
                                reveal_height="900").from_notebook_node(nb)
     page, _ = HTMLExporter().from_notebook_node(nb)
     for path, text in zip(paths[1:], (slides, page)):
-        Path(path).write_text(text, encoding="utf-8")
+        Path(path).write_text(text.replace("</head>", STYLE + "</head>", 1), encoding="utf-8")
     return paths
 
 

@@ -204,3 +204,15 @@ def test_ranks_are_forked_from_a_forkserver_on_linux_only(monkeypatch, platform,
     monkeypatch.undo()
     here = "forkserver" if sys.platform.startswith("linux") else "spawn"
     assert load_script(LAB, "prove04").START == course.START_METHOD == here
+
+
+def test_the_lab_reads_steps_from_the_lessons_names_and_refuses_others_in_one_line(tmp_path, capsys):
+    """A learner's checkpoint() that names files step16-<hash>.pt (not zero-padded, so they do not
+    sort by step) gets one line from the lab, not int()'s traceback."""
+    prove = load_script(LAB, "prove04")
+    for name in ("step0000005-0123456789abcdef.pt", "step0000010-52213e6d78397421.pt"):
+        (tmp_path / name).write_bytes(b"")
+    assert prove.steps_in(str(tmp_path)) == [5, 10]
+    (tmp_path / "step16-2e9d0123456789ab.pt").write_bytes(b"")
+    assert_refused_in_process(prove.steps_in, str(tmp_path), capsys,
+                              "checkpoint step16-2e9d0123456789ab.pt is not named step<7-digit step>")

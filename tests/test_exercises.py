@@ -151,3 +151,23 @@ def test_the_solution_passes_its_lab(lesson):
     result = run_readme_command(f"python {lesson}/prove.py")
     assert result.returncode == 0 and "PROOF PASSED" in result.stdout, result.stderr[-2000:]
     assert f"Solution: {solution(lesson).relative_to(REPO)}" in (REPO / "exercises" / f"{lesson}.py").read_text()
+
+
+@pytest.mark.parametrize("lesson", [lesson for lesson in EXERCISES if lesson != "11_train_gpt"])
+def test_a_starter_keeps_every_import_its_parents_code_needs(maker, lesson):
+    """A starter runs the parent's code until the TODOs are done: a change given whole that drops
+    an import (07 once dropped `import time`, and its untouched starter died on a NameError)
+    must not reach it."""
+    parent = (REPO / maker.DIFF_EXERCISES[lesson][0]).read_text().splitlines()
+    starter = (REPO / "exercises" / f"{lesson}.py").read_text().splitlines()
+    imports = [line for line in parent if line.startswith(("import ", "from "))]
+    assert [line for line in imports if line not in starter] == []
+
+
+def test_a_learner_who_returns_the_ddp_wrapper_is_told_in_one_line():
+    sys.path.insert(0, str(REPO))
+    import course
+    ok = {"0.weight": __import__("torch").ones(2)}
+    assert course.max_abs_diff(ok, ok) == 0.0
+    with pytest.raises(SystemExit, match="return model.module, the model DDP wraps, not the DDP wrapper"):
+        course.max_abs_diff({"module.0.weight": ok["0.weight"]}, ok)

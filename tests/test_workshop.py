@@ -55,6 +55,10 @@ def test_every_command_names_a_file_and_a_break_that_exist():
     commands = re.findall(r"python ([\w/]+\.py)((?: --?[\w-]+(?: [\w.]+)?)*)", WORKSHOP)
     assert len(commands) >= 8
     for script, args in commands:
+        if script.startswith("my_"):  # the attendee's own copy of a starter
+            assert (REPO / "exercises" / f"{script[3:]}").exists() or any(
+                (REPO / "exercises").glob(f"*_{script[3:]}")), script
+            continue
         assert (REPO / script).is_file(), script
         for name in re.findall(r"--break ([\w-]+)", args):
             assert f'"{name}"' in (REPO / script).read_text(), f"{script} has no --break {name}"
