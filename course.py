@@ -120,6 +120,18 @@ def find_free_port():
         return s.getsockname()[1]
 
 
+def find_free_ports(count):
+    """`count` different free ports: all held open at once, so the OS gives distinct ones."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def start_method():
     """A forkserver imports torch (and DDP's torch._dynamo) once and forks every rank from it: N
     ranks cost one import instead of N (about 4 s each on 2 cores). Linux only: Windows has no

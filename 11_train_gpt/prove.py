@@ -186,14 +186,14 @@ def rank_seeded_micro_batches(dataset, step, rank, world_size, accumulate, batch
     return DataLoader(dataset, batch_size=batch_size, sampler=windows[rank * share:][:share])
 
 
-def run_jobs(rank, world_size, port, jobs, broken, out_dir, path):
+def run_jobs(rank, world_size, ports, jobs, broken, out_dir, path):
     """A rank the lab starts with torchrun's variables: main() once per job, in turn."""
     use_lesson(path)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
     torch.set_num_threads(1)
     for number, (name, job) in enumerate(jobs.items()):
-        os.environ["MASTER_PORT"] = str(port + number)
+        os.environ["MASTER_PORT"] = str(ports[number])  # each its own: a group's store outlives it
         run_one(name, job, broken, out_dir, rank)
 
 
@@ -250,8 +250,10 @@ def init_with_prefix(prefix):
 
 # ------------------------------------------------------------------------ the parent
 def spawn(world_size, jobs, broken, out_dir):
-    course.spawn_or_fail(run_jobs, args=(world_size, course.find_free_port(), jobs, broken,
-                                         out_dir, lesson.__file__), nprocs=world_size)
+    # One free port per job, from the OS (port + 1 was once taken by another process's connection:
+    # EADDRINUSE in CI).
+    course.spawn_or_fail(run_jobs, args=(world_size, course.find_free_ports(len(jobs)), jobs,
+                                         broken, out_dir, lesson.__file__), nprocs=world_size)
     return {name: torch.load(os.path.join(out_dir, f"{name}.pt"), weights_only=True)
             for name in jobs}
 

@@ -289,3 +289,11 @@ def test_help_names_every_flag_and_break(prove, capsys):
 ])
 def test_bad_input_is_refused_before_any_rank_starts(prove, capsys, argv, message):
     assert_refused_in_process(prove.main, argv, capsys, message)
+
+
+def test_each_job_of_a_launch_gets_its_own_free_port():
+    """The lab once used port, port + 1, ...: port + 1 was another process's (EADDRINUSE in CI)."""
+    sys.path.insert(0, str(REPO))
+    import course
+    ports = course.find_free_ports(12)
+    assert len(set(ports)) == 12 and all(0 < p < 65536 for p in ports)
