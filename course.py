@@ -90,20 +90,28 @@ def import_lesson(name, needs, argv=None):
         return importlib.import_module(name)
     if not os.path.isfile(path):
         refuse(f"--lesson {path}: no such file")
+    return load_lesson_file(path, name, needs, f"{name}.py")
+
+
+def load_lesson_file(path, name, needs, defined_in, register=True, hint=lambda error: ""):
+    """The learner's file at `path`, run as module `name` (registered in sys.modules, so that its
+    functions pickle): one line and exit 2 if it does not import (hint(error) may add where to
+    look) or lacks a function of `needs`, which the lab calls as `defined_in` defines them."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    if register:
+        sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as error:  # the learner's file: one line, where and what
         where = traceback.extract_tb(error.__traceback__)[-1]
-        refuse(f"--lesson {path} does not import: {type(error).__name__}: {error} "
-               f"(line {where.lineno})" if where.filename == path else
-               f"--lesson {path} does not import: {type(error).__name__}: {error}")
-    missing = [n for n in needs if not hasattr(module, n)]
+        line = f" (line {where.lineno})" if where.filename == path else ""
+        refuse(f"--lesson {path} does not import: {type(error).__name__}: {error}{line}"
+               f"{hint(error)}")
+    missing = [n for n in needs if not callable(getattr(module, n, None))]
     if missing:
         them = "it" if len(missing) == 1 else "them"
-        refuse(f"--lesson {path} has no {', '.join(missing)}: the lab calls {them} as {name}.py "
+        refuse(f"--lesson {path} has no {', '.join(missing)}: the lab calls {them} as {defined_in} "
                f"defines {them}")
     return module
 

@@ -14,7 +14,6 @@ The claims, each against the lesson's own main() run unchanged (the lab only wra
 6. bf16 (DDP: autocast; FSDP: a mixed-precision policy) stays within 5e-2 of fp32.
 """
 import argparse
-import importlib.util
 import inspect
 import json
 import logging
@@ -48,21 +47,10 @@ def use_lesson(path):
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     for sibling in ("model", "checkpoint"):
         sys.modules.pop(sibling, None)
-    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0],
-                                                  path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:  # the learner's file: one line, not a traceback
-        beside = " (keep it beside model.py and checkpoint.py)" if isinstance(
-            error, ModuleNotFoundError) and error.name in ("model", "checkpoint") else ""
-        course.refuse(f"--lesson {path} does not import: {type(error).__name__}: {error}{beside}")
-    missing = [name for name in NEEDS if not callable(getattr(module, name, None))]
-    if missing:
-        them = "it" if len(missing) == 1 else "them"
-        course.refuse(f"--lesson {path} has no {', '.join(missing)}: the lab calls {them} as "
-                      f"train_gpt.py defines {them}")
-    lesson = module
+    lesson = course.load_lesson_file(
+        path, os.path.splitext(os.path.basename(path))[0], NEEDS, "train_gpt.py", register=False,
+        hint=lambda error: " (keep it beside model.py and checkpoint.py)" if isinstance(
+            error, ModuleNotFoundError) and error.name in ("model", "checkpoint") else "")
     ORIGINAL["train_step"] = lesson.train_step
 
 
