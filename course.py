@@ -123,9 +123,7 @@ def add_lesson_flag(parser, name):
 
 
 def find_free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_ports(1)[0]
 
 
 def find_free_ports(count):

@@ -243,24 +243,22 @@ def diff_starter(lesson):
     parent = (REPO / parent_path).read_text().splitlines()
     solution = REPO / lesson / f"{lesson.split('_', 1)[1]}.py"
     current = solution.read_text().splitlines()
-    changes = [op for op in difflib.SequenceMatcher(None, parent, current, autojunk=False)
-               .get_opcodes() if op[0] != "equal"]
+    opcodes = difflib.SequenceMatcher(None, parent, current, autojunk=False).get_opcodes()
+    changes = [op for op in opcodes if op[0] != "equal"]
     command = f"python tests/lesson_diff.py {parent_path} {solution.relative_to(REPO)}"
     if len(changes) != len(hints):
         raise SystemExit(f"{lesson}: the diff from {parent_path} has {len(changes)} changes, the "
                          f"hints {len(hints)}: write one per change ({command})")
-    decision = {}
-    for number, ((tag, i1, i2, j1, j2), (key, hint)) in enumerate(zip(changes, hints)):
+    for number, ((tag, i1, i2, j1, j2), (key, _)) in enumerate(zip(changes, hints)):
         lines = parent[i1:i2] + current[j1:j2]
         if not any(key in line for line in lines):
             raise SystemExit(f"{lesson}: change {number} no longer contains {key!r}: its hint is "
                              f"stale ({command}):\n" + "\n".join(lines[:8]))
-        decision[(i1, j1)] = hint
     out = header(lesson, f"{solution.relative_to(REPO)}",
                  f"turn lesson {parent_path[:2]}'s script into lesson {lesson[:2]}'s")
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, parent, current,
-                                                       autojunk=False).get_opcodes():
-        hint = decision.get((i1, j1))
+    hint_of_next_change = iter(hint for _, hint in hints)
+    for tag, i1, i2, j1, j2 in opcodes:
+        hint = None if tag == "equal" else next(hint_of_next_change)
         if tag == "equal" or hint == GIVEN:
             out += current[j1:j2]
             continue

@@ -92,8 +92,8 @@ def lesson_slides(folder):
                 name, "text", run.group("body"), f"```bash\n{command}\n```\n\n")]
     starter = REPO / "exercises" / f"{folder.name}.py"
     if starter.exists():
-        script = next(p.name for p in folder.glob("*.py") if p.name == f"{folder.name.split('_', 1)[1]}.py"
-                      or p.name == "train_gpt.py")
+        script = ("train_gpt.py" if (folder / "train_gpt.py").exists()
+                  else f"{folder.name.split('_', 1)[1]}.py")
         slides.append(("subslide", f"### Exercise\n\n```bash\ncp exercises/{folder.name}.py my_{script}\n"
                        f"# do the TODOs, then:\npython {folder.name}/prove.py --lesson my_{script}\n```"
                        f"\n\n`PROOF PASSED` when it is right. The solution: `{folder.name}/{script}`."))
