@@ -14,6 +14,7 @@ script stays self-contained, so a reader can copy it alone.
     platform_name()                   Linux, macOS or Windows, for a line that refuses
     load_lesson(path)                 another lesson's script as a module: a lab's reference
 """
+import contextlib
 import importlib.util
 import multiprocessing
 import os
@@ -127,15 +128,18 @@ def find_free_port():
 
 
 def find_free_ports(count):
-    """`count` different free ports: all held open at once, so the OS gives distinct ones."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """`count` different ports, free now, below 32768. Not bind-to-0's: the OS hands ports from its
+    own range (32768 and up on Linux, 49152 on macOS and Windows) to every bind to 0 and every
+    outgoing connection, so a port it gave us and we closed can go to another process in the seconds
+    before rank 0 binds it (CI saw it: EADDRINUSE). Below that range nobody gets ours by chance."""
+    ports = []
+    while len(ports) < count:
+        port = random.randint(20000, 32767)
+        with contextlib.suppress(OSError), socket.socket() as s:  # OSError: in use, try another
+            s.bind(("", port))
+            if port not in ports:
+                ports.append(port)
+    return ports
 
 
 def start_method():

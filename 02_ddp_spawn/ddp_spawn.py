@@ -10,6 +10,7 @@ import argparse
 import datetime
 import gc
 import os
+import random
 import socket
 import time
 
@@ -64,11 +65,11 @@ def choose_backend(world_size):
     return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
 
 
-def find_free_port():
-    """A fixed port (12355, 29500) collides with any other job on the machine: ask the OS."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 def worker(rank, world_size, port, backend, epochs, batch_size, lr, timeout=60):

@@ -1,5 +1,4 @@
 """Lesson 03: lesson 02's model split in two: across two devices, under DDP, then pipelined.
-
     python 03_model_parallel/model_parallel.py
     python 03_model_parallel/model_parallel.py --schedule 1f1b --microbatches 8 --world-size 3
 """
@@ -7,6 +6,7 @@ import argparse
 import datetime
 import gc
 import os
+import random
 import socket
 
 import torch
@@ -48,11 +48,11 @@ def choose_backend(gpus_needed):
     return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s), {gpus_needed} needed"
 
 
-def find_free_port():
-    """A fixed port (12355, 29500) collides with any other job on the machine: ask the OS."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 def join_group(rank, world_size, port, backend, timeout, gpus_per_rank):

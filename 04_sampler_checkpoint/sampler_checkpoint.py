@@ -1,5 +1,4 @@
 """Lesson 04: lesson 02 plus exact evaluation, and checkpoints that resume a crashed run bit-exact.
-
     python 04_sampler_checkpoint/sampler_checkpoint.py --ckpt-dir ckpt
     python 04_sampler_checkpoint/sampler_checkpoint.py --ckpt-dir ckpt --epochs 4   # 2 more epochs
 """
@@ -11,6 +10,7 @@ import hashlib
 import io
 import itertools
 import os
+import random
 import socket
 import sys
 
@@ -131,10 +131,11 @@ def choose_backend(world_size):
     return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
 
 
-def find_free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 def worker(rank, world_size, port, backend, epochs, batch_size, lr, folder, resume, timeout=60):
@@ -152,8 +153,7 @@ def worker(rank, world_size, port, backend, epochs, batch_size, lr, folder, resu
         dataset = make_dataset(256 + 101)  # 101 held out: no world size from 2 to 100 divides it
         train_set, val_set = Subset(dataset, range(256)), Subset(dataset, range(256, 357))
         sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=0)
-        # The loader's own generator: the seed each epoch's iterator draws never touches the
-        # global RNG, which the checkpoints save and restore for dropout.
+        # The loader's own generator: its seeds never touch the global RNG (saved for dropout).
         loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler,
                             generator=torch.Generator().manual_seed(0))
         model = DDP(make_model().to(device), device_ids=[device] if device.type == "cuda" else None)

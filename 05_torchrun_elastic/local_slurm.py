@@ -19,6 +19,7 @@ folder. Only the standard library: it runs before any virtual environment exists
 import argparse
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -30,13 +31,14 @@ DAEMONS = ["slurmctld", "slurmd", "munged", "sbatch", "scontrol"]
 
 
 def free_ports(count):
-    """Ports the OS says are free now (kept bound until all are picked, so they differ)."""
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
+    """Different ports nobody listens on now, below 32768, where the OS hands out none by itself:
+    a port from bind-to-0, closed, can go to another process before the daemon binds it."""
+    ports = []
+    while len(ports) < count:
+        port = random.randint(20000, 32767)
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0 and port not in ports:
+                ports.append(port)
     return ports
 
 

@@ -164,8 +164,7 @@ def main(epochs=2, batch_size=16, lr=0.05, folder="checkpoints", timeout=60):
         dataset = make_dataset(256 + 101)  # 101 held out: no world size from 2 to 100 divides it
         train_set, val_set = Subset(dataset, range(256)), Subset(dataset, range(256, 357))
         sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=0)
-        # The loader's own generator: the seed each epoch's iterator draws never touches the
-        # global RNG, which the checkpoints save and restore for dropout.
+        # The loader's own generator: its seeds never touch the global RNG (saved for dropout).
         loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler,
                             generator=torch.Generator().manual_seed(0))
         model = DDP(make_model().to(device), device_ids=[device] if device.type == "cuda" else None)

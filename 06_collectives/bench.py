@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
@@ -39,11 +40,11 @@ DDP_TIMERS = ("forward_compute_time", "backward_compute_time", "backward_comm_ti
 # isend/irecv posted apart and a reusable receive buffer. The lesson's ring now posts each step as one
 # batch_isend_irecv and allocates its buffer per call: it was not timed here.
 
-def find_free_port():
-    """Ask the OS for a port nobody uses now; a fixed port (12355, 29500) collides between jobs."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 def exchange(send, recv, right, left):

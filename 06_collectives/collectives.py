@@ -1,5 +1,4 @@
 """Lesson 06: lesson 02's training without DDP: gradients averaged by hand, and a ring all-reduce.
-
     python 06_collectives/collectives.py                  # buckets of 4 KiB, dist.all_reduce
     python 06_collectives/collectives.py --bucket-kb 0    # one all_reduce per parameter
     python 06_collectives/collectives.py --ring --world-size 3  # this file's ring all-reduces them
@@ -7,6 +6,7 @@
 import argparse
 import datetime
 import os
+import random
 import socket
 
 import torch
@@ -87,11 +87,11 @@ def choose_backend(world_size):
     return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
 
 
-def find_free_port():
-    """A fixed port (12355, 29500) collides with any other job on the machine: ask the OS."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 def worker(rank, world_size, port, backend, epochs, batch_size, bucket_kb, ring, lr=0.05,

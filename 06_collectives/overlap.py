@@ -7,6 +7,7 @@ while earlier layers still compute, and the step waits for them only before the 
 import argparse
 import datetime
 import os
+import random
 import socket
 
 import torch
@@ -108,10 +109,11 @@ def worker(rank, world_size, port, backend, epochs, batch_size, bucket_kb, lr=0.
         dist.destroy_process_group()
 
 
-def find_free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 if __name__ == "__main__":  # required: mp.spawn re-imports this file in every child

@@ -1,5 +1,4 @@
 """Lesson 07: lesson 02 with FSDP2 (fully_shard) instead of DDP, and distributed checkpoints.
-
     python 07_fsdp_dcp/fsdp_dcp.py --world-size 2 --epochs 1    # saves ckpt_fsdp/epoch0001
     python 07_fsdp_dcp/fsdp_dcp.py --world-size 3 --epochs 2    # loads it on 3 ranks, goes on
 """
@@ -8,6 +7,7 @@ import datetime
 import gc
 import glob
 import os
+import random
 import shutil
 import socket
 
@@ -92,11 +92,11 @@ def choose_backend(world_size):
     return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
 
 
-def find_free_port():
-    """A fixed port (12355, 29500) collides with any other job on the machine: ask the OS."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 def worker(rank, world_size, port, backend, epochs, batch_size, lr, folder, resume, timeout=60):

@@ -11,6 +11,7 @@ torch 2.15 (README.md): learn it to read old code, not to start new systems on i
 """
 import argparse
 import os
+import random
 import socket
 import sys
 import threading
@@ -80,11 +81,11 @@ def train(model_rref, loader, optimizer, epochs, name):
     return losses
 
 
-def find_free_port():
-    """A fixed port (12355, 29500) collides with any other job on the machine: ask the OS."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 def run_trainer(rank, trainers, epochs, batch_size, lr, name):

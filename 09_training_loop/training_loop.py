@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import gc
 import os
+import random
 import socket
 import time
 
@@ -89,11 +90,11 @@ def choose_backend(world_size):
     return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
 
 
-def find_free_port():
-    """A fixed port (12355, 29500) collides with any other job on the machine: ask the OS."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 def worker(rank, world_size, port, backend, epochs, accumulate, precision, log_dir,
@@ -146,5 +147,4 @@ if __name__ == "__main__":  # required: mp.spawn re-imports this file in every c
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step (2)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="(fp32)")
     parser.add_argument("--log-dir", help="TensorBoard folder (rank 0 writes; default: no log)")
-    args = parser.parse_args()
-    main(args.world_size, args.epochs, args.accumulate, args.precision, args.log_dir)
+    main(**vars(parser.parse_args()))

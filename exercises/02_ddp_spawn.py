@@ -56,8 +56,9 @@ def train(model, loader, optimizer, epochs, device):
 
 # TODO(lesson 02): choose_backend(world_size): ('nccl', why) when torch.cuda.device_count() gives a
 #     GPU for every rank, else ('gloo', why)
-# TODO(lesson 02): find_free_port(): bind a socket to port 0 on 127.0.0.1 and return the port the
-#     OS chose (a fixed port collides with other jobs)
+# TODO(lesson 02): find_free_port(): a random port from 20000 to 32767 that nobody listens on now
+#     (connect_ex is refused); not a fixed one, which collides with other jobs, nor one from
+#     binding port 0, which the OS may hand to another process first (NOTES.md)
 # TODO(lesson 02): worker(rank, world_size, port, backend, epochs, batch_size, lr, timeout=60):
 #     this rank's device (on CPU, its share of the cores: torch.set_num_threads);
 #     init_process_group at tcp://127.0.0.1:port with a timeout (and device_id on a GPU); a

@@ -12,6 +12,7 @@ import argparse
 import datetime
 import gc
 import os
+import random
 import socket
 import time
 
@@ -75,11 +76,11 @@ def choose_backend(world_size):
     return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
 
 
-def find_free_port():
-    """A fixed port (12355, 29500) collides with any other job on the machine: ask the OS."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 # TODO(lesson 09): worker(rank, world_size, port, backend, epochs, accumulate, precision, log_dir,
@@ -137,7 +138,8 @@ if __name__ == "__main__":  # required: mp.spawn re-imports this file in every c
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2, help="processes to start (default 2)")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the data (default 2)")
-    # TODO(lesson 09): flags --accumulate (2), --precision (fp32 or bf16), --log-dir
+    # TODO(lesson 09): flags --accumulate (2), --precision (fp32 or bf16), --log-dir;
+    #     main(**vars(parser.parse_args())): the flags are main's parameters
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step PER RANK "
                         "(default 16; the global batch is world size times this)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
