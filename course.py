@@ -36,10 +36,12 @@ def refuse(message):
     raise SystemExit(2)
 
 
-def add_break_flag(parser, breaks):
-    """--break NAME: the lab's ways to break its claim on purpose, {name: what it does}."""
-    parser.add_argument("--break", dest="broken", choices=sorted(breaks), help="break the claim on "
-                        "purpose: " + "; ".join(f"{k}: {v}" for k, v in breaks.items()))
+def add_break_flag(parser, breaks, several=False):
+    """--break NAME: the lab's ways to break its claim on purpose, {name: what it does}; several:
+    --break NAME [NAME ...], a list (a lab whose breaks each fail a claim of their own)."""
+    parser.add_argument("--break", dest="broken", choices=sorted(breaks), nargs="+" if several else None,
+                        help="break the claim on purpose" + (" (one or several)" if several else "")
+                        + ": " + "; ".join(f"{k}: {v}" for k, v in breaks.items()))
 
 
 def add_device_flag(parser):

@@ -63,6 +63,7 @@ def test_each_lab_accepts_its_planned_flags_with_that_many_gpus(gpus, monkeypatc
     its ranks: a refusal (exit 2) would make the GPU run report a lab that never ran."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(course, "find_free_port", reached)  # every lab with ranks takes a port first
+    monkeypatch.setattr(course, "find_free_ports", reached)  # (or several)
     for lab in LABS:
         argv = run_lessons.planned(lab, COMMANDS[lab], gpus)[0].split()[2:]
         if not argv:
@@ -114,6 +115,7 @@ def test_what_ran_is_read_from_the_labs_own_lines():
                 "04_sampler_checkpoint": ("gloo", "cpu", 2), "05_torchrun_elastic": ("gloo", "cpu", 2),
                 "06_collectives": ("gloo", "cpu", 2), "07_fsdp_dcp": ("gloo", "cpu", 2),
                 "08_rpc": ("TensorPipe", "cpu", 2), "09_training_loop": ("gloo", "cpu", 2),
+                "10_tensor_parallel": ("gloo", "cpu", 4),
                 "11_train_gpt": (None, None, 2)}
     assert {lab: run_lessons.what_ran(readme_output(lab)) for lab in LABS} == expected
     assert run_lessons.what_ran("claim(s) 1, 2 of 6\n12 runs of main() on 1, 2 and 3 ranks took 5 s\n") \

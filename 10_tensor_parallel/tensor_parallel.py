@@ -1,0 +1,150 @@
+"""Lesson 10: lesson 07's FSDP2 with tensor, sequence and 2-D parallelism, on a transformer.
+    python 10_tensor_parallel/tensor_parallel.py --world-size 2 --tp 2         # TP alone
+    python 10_tensor_parallel/tensor_parallel.py --world-size 4 --tp 2 --sp    # FSDP x (TP + SP)
+"""
+import argparse
+import datetime
+import gc
+import os
+import random
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def make_dataset(samples=64, length=16, vocab=32, seed=0):  # counting from seeded starts:
+    x = torch.randint(vocab, (samples, 1), generator=torch.Generator().manual_seed(seed))
+    x = (x + torch.arange(length + 1)) % vocab  # the same bytes in every process
+    return TensorDataset(x[:, :-1], x[:, 1:])  # inputs, and each one's next token
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.head_dim = dim // heads  # q, k, v apart: a fused qkv would split wrongly under TP
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):  # -1: under TP a rank holds heads / tp of the heads, whole heads
+        q, k, v = (f(x).unflatten(2, (-1, self.head_dim)).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, act_ckpt):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn, self.act_ckpt = Attention(dim, heads), act_ckpt
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):  # checkpointed: keeps its input only, reruns the layers in backward
+        return checkpoint(self.layers, x, use_reentrant=False) if self.act_ckpt else self.layers(x)
+
+    def layers(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def make_model(act_ckpt=False, vocab=32, dim=32, heads=4, layers=2, seed=0):
+    torch.manual_seed(seed)  # the same initial weights in every process that builds it
+    return nn.Sequential(nn.Embedding(vocab, dim), *(Block(dim, heads, act_ckpt) for _ in
+                         range(layers)), nn.LayerNorm(dim), nn.Linear(dim, vocab))
+
+
+def parallelize(model, tp_mesh, dp_mesh, sp):
+    """The linears split over tp_mesh (SP: the norms over the sequence), then FSDP2 over dp_mesh."""
+    between = Shard(1) if sp else Replicate()  # between layers: whole, or 1/tp of the sequence
+    whole = PrepareModuleInput(input_layouts=between, desired_input_layouts=Replicate())
+    for block in model[1:-2]:
+        parallelize_module(block, tp_mesh, {
+            "attn": whole, "mlp": whole,  # q, k, v share ONE input: one all-gather (SP) or, in
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),  # backward, all-reduce (TP)
+            "attn.v": ColwiseParallel(), "mlp.0": ColwiseParallel(),  # output columns: heads
+            "attn.out": RowwiseParallel(output_layouts=between),  # input rows split: partial
+            "mlp.2": RowwiseParallel(output_layouts=between),  # sums, all-reduced (SP: r-s)
+            **({"norm1": SequenceParallel(), "norm2": SequenceParallel()} if sp else {})})
+    parallelize_module(model, tp_mesh, {  # the embedding's rows split, and the head's columns
+        "0": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        str(len(model) - 1): ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
+        **({str(len(model) - 2): SequenceParallel()} if sp else {})})  # the last norm
+    for module in [*model[1:-2], model] if dp_mesh is not None else []:  # the root last
+        fully_shard(module, mesh=dp_mesh)  # TP's DTensors sharded once more, over dp
+    return model
+
+
+def train(model, loader, optimizer, epochs, device):
+    losses = []
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x.to(device)).transpose(1, 2), y.to(device))
+            loss.backward()  # TP: all-reduces inside the blocks; FSDP: reduce-scatters over dp
+            optimizer.step()
+            losses.append(loss.item())
+        if dist.get_rank() == 0:
+            print(f"epoch {epoch}  loss {losses[-1]:.4f} on rank 0", flush=True)
+    return losses
+
+
+def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+    while True:
+        with socket.socket() as s:  # connecting refused: nobody listens there
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
+
+
+def worker(rank, world_size, port, backend, tp, sp, act_ckpt, epochs, timeout=60):
+    """One rank of a (world_size / tp) x tp mesh. mp.spawn: ONE machine, so rank = GPU."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if device.type == "cuda" else None)
+    try:  # timeout: gloo raises in a stuck collective; NCCL's watchdog aborts the process
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module")  # logits, a view: harmless
+        mesh = dist.init_device_mesh(device.type, (world_size // tp, tp),
+                                     mesh_dim_names=("dp", "tp"))  # rank = dp index * tp + tp index
+        dataset = make_dataset()  # the DATA-parallel rank picks the batch: a TP group shares one
+        sampler = DistributedSampler(dataset, mesh["dp"].size(), mesh["dp"].get_local_rank())
+        loader = DataLoader(dataset, batch_size=8, sampler=sampler,
+                            generator=torch.Generator().manual_seed(0))
+        model = parallelize(make_model(act_ckpt).to(device), mesh["tp"],  # whole, then split
+                            mesh["dp"] if world_size > tp else None, sp)  # dp 1: no FSDP
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # after sharding
+        return train(model, loader, optimizer, epochs, device)
+    finally:
+        model = optimizer = None  # FSDP holds the process group: release it before destroying
+        gc.collect()  # the group (measured: left to interpreter exit, some gloo runs abort)
+        dist.destroy_process_group()
+
+
+def main(world_size=4, tp=2, sp=False, act_ckpt=False, epochs=2):
+    if world_size % tp or 4 % tp:  # whole TP groups, and whole heads on each rank
+        raise SystemExit(f"--tp {tp} must divide --world-size {world_size} and the model's 4 heads")
+    backend = "nccl" if (gpus := torch.cuda.device_count()) >= world_size else "gloo"  # GPU each?
+    print(f"backend: {backend} ({gpus} GPU(s)); mesh FSDP {world_size // tp} x TP {tp}", flush=True)
+    mp.spawn(worker, (world_size, find_free_port(), backend, tp, sp, act_ckpt, epochs), world_size)
+
+
+if __name__ == "__main__":  # required: mp.spawn re-imports this file in every child
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4, help="processes to start (default 4)")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallel on the norms")
+    parser.add_argument("--act-ckpt", action="store_true", help="activation checkpointing")
+    main(**vars(parser.parse_args()))
