@@ -10,6 +10,7 @@ what to fix and exits 1. A warning (WARN) does not stop the course; a failure (F
 import datetime
 import importlib.metadata
 import os
+import random
 import re
 import shutil
 import socket
@@ -59,14 +60,19 @@ def check_packages():
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Free now, below 32768: the OS hands out none there itself (02_ddp_spawn/NOTES.md)."""
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
+                return port
 
 
 def check_port():
-    try:
-        return "ok", f"a free port on 127.0.0.1 ({free_port()})"
+    try:  # rank 0 listens on a port: can this machine open one?
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", free_port()))
+            s.listen()
+            return "ok", f"a free port on 127.0.0.1 ({s.getsockname()[1]})"
     except OSError as error:
         return "FAIL", f"cannot open a port on 127.0.0.1 ({error}): the ranks meet there"
 

@@ -27,6 +27,7 @@ import functools
 import inspect
 import io
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -64,7 +65,7 @@ BREAKS = {
     "no-checkpoint": "torch.utils.checkpoint.checkpoint replaced by a plain call: the blocks keep "
                      "every activation",
     "old-all-gather": "context parallelism gathers K and V with torch.distributed.nn.functional."
-                      "all_gather, whose backward gives wrong gradients on gloo",
+                      "all_gather, whose backward gives wrong gradients on gloo here",
 }
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 JOBS = {  # name: (world size, tp, sp, act_ckpt); tp and sp run side by side on ranks 0-1, 2-3
@@ -186,10 +187,16 @@ def context_parallel_attention(q, k, v, group, gather):
 
 
 def autograd_all_gather(x, group):  # its backward reduce-scatters: each rank gets its gradient
+    """All-gathers dim 2 (the sequence). The function's docstring promises dim 0 only (its code,
+    torch 2.15, does the others too): the sequence goes to dim 0 and back. A private module:
+    torch's public all-gathers have no autograd, or the old one below."""
     return all_gather_single_autograd(x.movedim(2, 0).contiguous(), 0, group).movedim(0, 2)
 
 
-def old_all_gather(x, group):  # --break old-all-gather (pytorch/pytorch issue 120386, on gloo)
+def old_all_gather(x, group):
+    """--break old-all-gather. Its backward makes its buffers with empty_like of the incoming
+    gradient, non-contiguous here (the CPU attention's), and gloo scatters into non-contiguous
+    buffers wrongly: pytorch/pytorch issues 192920 and 24836, open. Contiguous, it is exact."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # deprecated, too
         return torch.cat(old_functional.all_gather(x, group=group), dim=2)
@@ -288,7 +295,8 @@ def train_reference(dp, epochs, batch_size, lr):
 def theory_of_collectives(model, batch_size, tp, sp):
     """What one step must run, {(collective, input bytes): count}. M: one activation, whole."""
     x, _ = lesson.make_dataset()[:batch_size]
-    blocks, dim, vocab = len(model) - 3, model[0].embedding_dim, model[-1].out_features
+    blocks, dim, vocab = sum(hasattr(m, "attn") for m in model), model[0].embedding_dim, \
+        model[-1].out_features
     M = batch_size * x.shape[1] * dim * 4  # float32
     logits = batch_size * x.shape[1] * vocab // tp * 4  # the head's columns, this rank's
     if not sp:  # 2 per block, the embedding's output; backward: 2 per block, the head's input
@@ -312,12 +320,21 @@ def bytes_sent(calls, ranks):
 
 
 def theory_of_params(model, tp, dp):
-    """Bytes of parameters per rank: the norms and the row-split layers' biases whole on every
-    TP rank, the rest 1/tp; FSDP then keeps 1/dp of each."""
-    whole_here = lambda name: ".norm" in name or name.startswith(str(len(model) - 2)) or \
-        name.endswith("mlp.2.bias")  # noqa: E731
-    total = sum(p.nbytes if whole_here(n) else p.nbytes // tp for n, p in model.named_parameters())
-    return total // dp
+    """Bytes of parameters on rank 0, as the lesson's plan splits them: dim 1 of a row-split
+    weight, dim 0 of the other split weights and biases (the embedding's too); the norms and the
+    row-split biases whole on every TP rank. FSDP then keeps rows of each over dp. Rank 0 holds
+    the first share, rounded up where a size does not divide."""
+    row_split = ("attn.out.weight", "mlp.2.weight")
+    total = 0
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if not (isinstance(model.get_submodule(name.rsplit(".", 1)[0]), nn.LayerNorm)
+                or name.endswith(("attn.out.bias", "mlp.2.bias"))):
+            dim = 1 if name.endswith(row_split) else 0
+            shape[dim] = -(-shape[dim] // tp)
+        shape[0] = -(-shape[0] // dp)
+        total += math.prod(shape) * p.element_size()
+    return total
 
 
 def parse_args(argv=None):
@@ -355,7 +372,9 @@ def report(runs, cp, args, device):
             agree = measured == collections.Counter(expected[phase])
             collectives_agree &= agree
             shown = ", ".join(f"{n} {c} x {s:,}" for (c, s), n in sorted(measured.items())) or "none"
-            print(f"  {name} {phase:<8} {shown}  {'==' if agree else 'DIFFERS from'} formula")
+            formula = ", ".join(f"{n} {c} x {s:,}" for (c, s), n in sorted(expected[phase].items()))
+            print(f"  {name} {phase:<8} {shown}  " + ("== formula" if agree else
+                                                     f"DIFFERS from formula ({formula or 'none'})"))
         sent[name] = bytes_sent([c for calls in runs[name]["collectives"].values() for c in calls], 2)
     print(f"  bytes each rank sends (ring): TP {sent['tp']:,}, SP {sent['sp']:,}")
     params_agree = True
@@ -372,7 +391,7 @@ def report(runs, cp, args, device):
     checkpointing_saves = on < off / 2
     cp_forward = max(r["forward"] for r in cp)
     cp_gradients = max(r["gradients"] for r in cp)
-    print(f"context parallel by hand, 4 ranks x 4 of 16 places: max |d| forward {cp_forward:.1e}, "
+    print(f"context parallel by hand, 4 ranks x 4 of 16 positions: max |d| forward {cp_forward:.1e}, "
           f"gradients {cp_gradients:.1e}")
     print(f"torch's own context_parallel on {device}: {cp[0]['torch']}")
     equal = max(worst.values()) <= TOLERANCE

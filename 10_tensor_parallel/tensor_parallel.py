@@ -1,7 +1,6 @@
 """Lesson 10: lesson 07's FSDP2 with tensor, sequence and 2-D parallelism, on a transformer.
     python 10_tensor_parallel/tensor_parallel.py --world-size 2 --tp 2         # TP alone
-    python 10_tensor_parallel/tensor_parallel.py --world-size 4 --tp 2 --sp    # FSDP x (TP + SP)
-"""
+    python 10_tensor_parallel/tensor_parallel.py --world-size 4 --tp 2 --sp    # FSDP x (TP + SP)"""
 import argparse
 import datetime
 import gc
@@ -31,10 +30,10 @@ def make_dataset(samples=64, length=16, vocab=32, seed=0):  # counting from seed
 class Attention(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
-        self.head_dim = dim // heads  # q, k, v apart: a fused qkv would split wrongly under TP
+        self.heads, self.head_dim = heads, dim // heads  # q, k, v apart: README, mistake 2
         self.q, self.k, self.v, self.out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
-    def forward(self, x):  # -1: under TP a rank holds heads / tp of the heads, whole heads
+    def forward(self, x):  # -1, not self.heads: under TP a rank has heads / tp whole heads
         q, k, v = (f(x).unflatten(2, (-1, self.head_dim)).transpose(1, 2)
                    for f in (self.q, self.k, self.v))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -70,9 +69,9 @@ def parallelize(model, tp_mesh, dp_mesh, sp):
         parallelize_module(block, tp_mesh, {
             "attn": whole, "mlp": whole,  # q, k, v share ONE input: one all-gather (SP) or, in
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),  # backward, all-reduce (TP)
-            "attn.v": ColwiseParallel(), "mlp.0": ColwiseParallel(),  # output columns: heads
-            "attn.out": RowwiseParallel(output_layouts=between),  # input rows split: partial
-            "mlp.2": RowwiseParallel(output_layouts=between),  # sums, all-reduced (SP: r-s)
+            "attn.v": ColwiseParallel(), "mlp.0": ColwiseParallel(),  # outputs split (heads)
+            "attn.out": RowwiseParallel(output_layouts=between),  # inputs split: partial sums,
+            "mlp.2": RowwiseParallel(output_layouts=between),  # all-reduced (SP: reduce-scattered)
             **({"norm1": SequenceParallel(), "norm2": SequenceParallel()} if sp else {})})
     parallelize_module(model, tp_mesh, {  # the embedding's rows split, and the head's columns
         "0": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
@@ -90,7 +89,7 @@ def train(model, loader, optimizer, epochs, device):
         for x, y in loader:
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(model(x.to(device)).transpose(1, 2), y.to(device))
-            loss.backward()  # TP: all-reduces inside the blocks; FSDP: reduce-scatters over dp
+            loss.backward()  # TP/SP: the blocks' collectives again; FSDP: reduce-scatters
             optimizer.step()
             losses.append(loss.item())
         if dist.get_rank() == 0:
@@ -116,7 +115,7 @@ def worker(rank, world_size, port, backend, tp, sp, act_ckpt, epochs, timeout=60
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if device.type == "cuda" else None)
     try:  # timeout: gloo raises in a stuck collective; NCCL's watchdog aborts the process
-        warnings.filterwarnings("ignore", "FSDP2-wrapped module")  # logits, a view: harmless
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module")  # logits: never edit in place
         mesh = dist.init_device_mesh(device.type, (world_size // tp, tp),
                                      mesh_dim_names=("dp", "tp"))  # rank = dp index * tp + tp index
         dataset = make_dataset()  # the DATA-parallel rank picks the batch: a TP group shares one
@@ -134,8 +133,9 @@ def worker(rank, world_size, port, backend, tp, sp, act_ckpt, epochs, timeout=60
 
 
 def main(world_size=4, tp=2, sp=False, act_ckpt=False, epochs=2):
-    if world_size % tp or 4 % tp:  # whole TP groups, and whole heads on each rank
-        raise SystemExit(f"--tp {tp} must divide --world-size {world_size} and the model's 4 heads")
+    heads, positions = make_model()[1].attn.heads, len(make_dataset()[0][0])  # each rank whole
+    if world_size % tp or heads % tp or positions % tp:  # TP groups, heads, SP's pieces of T
+        raise SystemExit(f"--tp {tp} must divide --world-size, {heads} heads, {positions} tokens")
     backend = "nccl" if (gpus := torch.cuda.device_count()) >= world_size else "gloo"  # GPU each?
     print(f"backend: {backend} ({gpus} GPU(s)); mesh FSDP {world_size // tp} x TP {tp}", flush=True)
     mp.spawn(worker, (world_size, find_free_port(), backend, tp, sp, act_ckpt, epochs), world_size)

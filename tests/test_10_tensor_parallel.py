@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(150)
 
 # By hand. M: one activation, whole: 8 x 16 x 32 floats. Per block, TP all-reduces twice forward and
 # twice backward, plus once each way for the embedding (forward) and the head's input (backward);
-# the logits' all-gather sends this rank's 16 of 32 columns. SP: the same places, reduce-scatter
+# the logits' all-gather sends this rank's 16 of 32 columns. SP: the same layers, reduce-scatter
 # and all-gather; its 5 LayerNorms' weight and bias gradients (32 floats) all-reduced at the step.
 M = 8 * 16 * 32 * 4
 HALF_LOGITS = 8 * 16 * 16 * 4
@@ -122,7 +122,7 @@ def test_bad_flags_are_one_line(capsys):
     assert_refused_in_process(prove.parse_args, ["--epochs", "0"], capsys, "must be positive")
     lesson = load_script(LESSON)
     for world_size, tp in ((3, 2), (3, 3)):  # refused before any process starts
-        with pytest.raises(SystemExit, match=f"--tp {tp} must divide --world-size {world_size}"):
+        with pytest.raises(SystemExit, match=f"--tp {tp} must divide --world-size"):
             lesson.main(world_size=world_size, tp=tp)
 
 
