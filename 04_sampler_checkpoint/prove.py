@@ -19,6 +19,7 @@ lesson's find_checkpoint, as the lesson's main() does).
 import argparse
 import contextlib
 import inspect
+import logging
 import multiprocessing
 import os
 import re
@@ -218,6 +219,10 @@ def spawn(run, args, backend, out_dir, folder, resume=None, kill=None, crash_ran
     fn_args = (args.world_size, course.find_free_port(), backend, args.epochs, folder, resume, out_dir,
                run, args.broken, kill, kill_rank, crash_rank, args.timeout)
     context = mp.start_processes(lab_worker, fn_args, args.world_size, join=False, start_method=START)
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    if kill is not None:  # join() stopping the surviving rank is the plan: no warning about it
+        spawn_log.setLevel(logging.ERROR)
     try:
         while not context.join():
             pass
@@ -226,6 +231,8 @@ def spawn(run, args, backend, out_dir, folder, resume=None, kill=None, crash_ran
             print(f"\nRUN FAILED: a rank stopped with an error, so every rank was stopped.\n{e}",
                   file=sys.stderr)
             raise SystemExit(1) from None
+    finally:
+        spawn_log.setLevel(level)
     if kill is not None:  # expected: the killed rank, then join() stopping the others
         return [p.exitcode for p in context.processes]
     return [torch.load(os.path.join(out_dir, f"{run}-rank{r}.pt"), weights_only=True)
