@@ -159,6 +159,74 @@ DIFF_EXERCISES = {
         ("--out-dir", ["an --out-dir flag (default ckpt_fsdp), passed to main"]),
         ("args.out_dir", SAME),
     ]),
+    "10_tensor_parallel": ("07_fsdp_dcp/fsdp_dcp.py", [
+        ("Lesson 10", GIVEN),
+        ("import glob", ["no checkpoints here: no glob, no shutil"]),
+        ("import shutil", SAME),
+        ("import warnings", ["import warnings (one FSDP2 warning is silenced, below)"]),
+        ("torch.distributed.checkpoint", ["no DCP: no torch.distributed.checkpoint, no "
+                                          "get_state_dict or set_state_dict"]),
+        ("get_state_dict", SAME),
+        ("Replicate, Shard", ["import Replicate and Shard from torch.distributed.tensor; "
+                              "ColwiseParallel, PrepareModuleInput, RowwiseParallel, "
+                              "SequenceParallel and parallelize_module from "
+                              "torch.distributed.tensor.parallel; checkpoint from "
+                              "torch.utils.checkpoint"]),
+        ("def make_dataset", [
+            "make_dataset(samples=64, length=16, vocab=32, seed=0): counting sequences: a start "
+            "token per sample from its own seeded generator, then start + 0, 1, ..., length, "
+            "modulo vocab; inputs the first `length` tokens, targets each one's next token, in a "
+            "TensorDataset"]),
+        ("class Attention", [
+            "class Attention(nn.Module), Attention(dim, heads): q, k, v and out, four "
+            "nn.Linear(dim, dim, bias=False) (q, k, v APART: a fused qkv splits wrongly under "
+            "TP); keep heads and head_dim; forward(x): q, k, v as (B, heads, T, head_dim), "
+            "writing -1 for the heads (a TP rank holds heads / tp of them), causal "
+            "scaled_dot_product_attention, back to (B, T, -1), then out"]),
+        ("class Block", [
+            "class Block(nn.Module), Block(dim, heads, act_ckpt): norm1, norm2 (LayerNorm), attn, "
+            "mlp = Sequential(Linear(dim, 4 dim), GELU, Linear(4 dim, dim)); layers(x): x + "
+            "attn(norm1(x)), then + mlp(norm2(x)); forward(x): layers(x), or with act_ckpt "
+            "checkpoint(self.layers, x, use_reentrant=False)",
+            "make_model(act_ckpt=False, vocab=32, dim=32, heads=4, layers=2, seed=0): seeded; "
+            "nn.Sequential(Embedding, the blocks, LayerNorm, Linear(dim, vocab))",
+            "parallelize(model, tp_mesh, dp_mesh, sp): each block (model[1:-2]) with "
+            "parallelize_module over tp_mesh: q, k, v and mlp.0 ColwiseParallel, attn.out and "
+            "mlp.2 RowwiseParallel with output_layouts Shard(1) under SP, else Replicate(); 'attn' "
+            "and 'mlp' a PrepareModuleInput from that layout to Replicate() (one input for q, k, v); "
+            "under SP, norm1 and norm2 SequenceParallel. The embedding (model[0]) "
+            "RowwiseParallel from Replicate() to that layout, the head ColwiseParallel from it to "
+            "Replicate(), the last norm SequenceParallel under SP. Then, if dp_mesh is not None, "
+            "fully_shard each block and the root over dp_mesh; return the model",
+            "train(model, loader, optimizer, epochs, device): lesson 07's, without checkpoints",
+        ]),
+        ("range(epochs)", ["every epoch from 0: nothing to resume"]),
+        ("x, y = x.to(device)", SAME),
+        ("transpose(1, 2)", ["the loss: logits (B, T, vocab) against targets (B, T); "
+                             "cross_entropy wants the classes on dim 1"]),
+        ("save_checkpoint(folder", ["no checkpoint after an epoch; print the epoch's loss"]),
+        ("on rank 0", SAME),
+        ("def save_checkpoint", ["delete save_checkpoint, load_checkpoint and find_checkpoint "
+                                 "(no DCP here), and choose_backend (main picks the backend)"]),
+        ("def worker", ["worker(rank, world_size, port, backend, tp, sp, act_ckpt, epochs, "
+                        "timeout=60): no folder, resume, batch size or learning rate"]),
+        ("init_device_mesh", [
+            "silence FSDP2's warning that the model returned a view (the logits; nothing edits "
+            "them in place); a 2-D mesh (world_size // tp, tp) named ('dp', 'tp'); the sampler "
+            "from the DATA-parallel dimension: mesh['dp'].size() replicas, this rank "
+            "mesh['dp'].get_local_rank() (a TP group shares one batch); batches of 8"]),
+        ("parallelize(make_model", [
+            "the model: make_model(act_ckpt) on the device, parallelized over mesh['tp'], with "
+            "FSDP over mesh['dp'] when world_size > tp; SGD (lr 0.05, momentum 0.9) after; "
+            "return train's losses"]),
+        ("def main(world_size=4", [
+            "main(world_size=4, tp=2, sp=False, act_ckpt=False, epochs=2): refuse in one line a "
+            "--tp that does not divide the world size, the model's heads or the sequence's "
+            "length; NCCL when there is a GPU per rank, else gloo; print it and the mesh; "
+            "mp.spawn the workers"]),
+        ("--tp", ["flags --world-size (default 4), --tp (2), --sp, --act-ckpt; "
+                  "main(**vars(parser.parse_args()))"]),
+    ]),
     "09_training_loop": ("02_ddp_spawn/ddp_spawn.py", [
         ("Lesson 09", GIVEN),
         ("import contextlib", ["import contextlib (a context that does nothing)"]),

@@ -12,7 +12,7 @@ from conftest import REPO, load_script, run_lesson, run_readme_command
 
 MAKER = REPO / "exercises" / "make_exercises.py"
 EXERCISES = ["02_ddp_spawn", "04_sampler_checkpoint", "05_torchrun_elastic", "07_fsdp_dcp",
-             "09_training_loop", "11_train_gpt"]
+             "09_training_loop", "10_tensor_parallel", "11_train_gpt"]
 # A typical mistake per exercise: the solution with these edits, the lab's extra arguments, and
 # what the lab must say. Each edit must match the solution exactly once.
 MISTAKES = {
@@ -33,6 +33,9 @@ MISTAKES = {
                                   "before fully_shard"),
     "09_training_loop": ([("(loss / k).backward()", "loss.backward()")], [], "PROOF FAILED",
                          "do NOT equal one process"),
+    "10_tensor_parallel": ([('DistributedSampler(dataset, mesh["dp"].size(), mesh["dp"].get_local_rank())',
+                             "DistributedSampler(dataset)")], [], "PROOF FAILED",
+                           "TP, SP and 2-D do NOT equal one process"),
     "11_train_gpt": ([("(loss / len(batches)).backward()", "loss.backward()")], ["--claims", "1"],
                      "PROOF FAILED", "claim 1 fails"),
 }
