@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # noqa: 
                                                      get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict)
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
@@ -117,9 +118,11 @@ def reshard_trade(device):
 
 
 def checking_the_optimizer(train):
-    """Wraps the lesson's train: an optimizer made before fully_shard holds the old tensors, which
-    fully_shard replaced with DTensors; it would step nothing the model uses, and DCP fails later
-    with a bare KeyError. Said here in one line instead."""
+    """Wraps the lesson's train, for two mistakes that train equal and say nothing. An optimizer
+    made before fully_shard holds the old tensors, which fully_shard replaced with DTensors; it
+    would step nothing the model uses, and DCP fails later with a bare KeyError. fully_shard on the
+    root only makes the model one unit, whole on every rank from forward through backward: the
+    memory FSDP is for is never saved. Each said here in one line instead."""
     @functools.wraps(train)
     def wrapper(*args, **kwargs):
         arguments = inspect.signature(train).bind(*args, **kwargs).arguments
@@ -127,6 +130,13 @@ def checking_the_optimizer(train):
         if held != {id(p) for p in arguments["model"].parameters()}:
             raise RuntimeError("the optimizer does not hold the model's parameters: it was made "
                                "before fully_shard, which replaces them (make it after)")
+        unsharded = [name for name, m in arguments["model"].named_children()
+                     if any(True for _ in m.parameters()) and not isinstance(m, FSDPModule)]
+        if unsharded:
+            raise RuntimeError(f"layer(s) {', '.join(unsharded)} are not fully_shard units of "
+                               "their own: they stay whole on every rank through forward and "
+                               "backward, as with fully_shard on the root only (shard each layer, "
+                               "then the root)")
         return train(*args, **kwargs)
     return wrapper
 

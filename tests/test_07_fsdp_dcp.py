@@ -114,6 +114,23 @@ def run_worker(prove, folder, epochs, resume=None, load=None):
     return kept
 
 
+def test_fully_shard_on_the_root_only_is_said_in_one_line(prove, tmp_path, monkeypatch):
+    """README mistake 2, in a world of one in this process: the lesson's worker with fully_shard
+    applied to the root only trains (and would pass), so the lab's check says it instead."""
+    lesson, real = prove.lesson, prove.lesson.fully_shard
+    monkeypatch.setattr(lesson, "fully_shard", lambda module, **kwargs: real(module, **kwargs)
+                        if isinstance(module, torch.nn.Sequential) else module)
+    monkeypatch.setattr(lesson, "train", prove.checking_the_optimizer(lesson.train))
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(RuntimeError, match=r"layer\(s\) 0, 2 are not fully_shard units"):
+            lesson.worker(0, 1, prove.course.find_free_port(), "gloo", 1, 16, 0.05, str(tmp_path),
+                          None, 30)
+    finally:
+        torch.set_num_threads(threads)
+    assert not dist.is_initialized(), "the worker destroys its process group"
+
+
 class TestTheLessonCopiedAlone:
     """The tests that read the one run of the lesson copied alone (the `alone` fixture): a
     class, so that pytest-xdist keeps them on one worker (conftest.py) and the lesson runs once."""
