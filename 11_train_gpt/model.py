@@ -1,32 +1,36 @@
 """A small decoder-only transformer (GPT) in plain torch: what lesson 11 trains.
 
 Replace it with your own model: train_gpt.py needs only `make_model()` to return an nn.Module whose
-forward maps a batch of inputs to logits, and (for FSDP) a list of blocks to shard one by one.
+forward maps a batch of inputs to logits, and (for FSDP) a list of blocks to shard one by one, and
+(for --tp) `n_head` and a method `tensor_parallel(tp_mesh)`, the plan that splits the blocks.
 """
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head, dropout):
         super().__init__()
         assert n_embd % n_head == 0, "n_embd must split evenly into heads"
-        self.n_head, self.dropout = n_head, dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.head_size, self.dropout = n_embd // n_head, dropout
+        # q, k and v apart, not one fused layer: tensor parallelism splits each by whole heads
+        self.q, self.k, self.v = (nn.Linear(n_embd, n_embd) for _ in range(3))
         self.proj = nn.Linear(n_embd, n_embd)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+    def forward(self, x):  # -1 heads, not n_head: under tensor parallelism a rank has n_head / tp
+        q, k, v = (f(x).unflatten(2, (-1, self.head_size)).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
         # is_causal: position t attends to positions <= t only, so the model cannot read its target
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        return self.drop(self.proj(y.transpose(1, 2).flatten(2)))
 
 
 class Block(nn.Module):
@@ -47,7 +51,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, vocab_size=256, context=64, n_layer=2, n_head=2, n_embd=64, dropout=0.0):
         super().__init__()
-        self.context = context
+        self.context, self.n_head = context, n_head
         self.token = nn.Embedding(vocab_size, n_embd)
         self.position = nn.Embedding(context, n_embd)
         self.drop = nn.Dropout(dropout)
@@ -73,6 +77,19 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+    def tensor_parallel(self, tp_mesh):
+        """Lesson 10's plan, for train_gpt.py --tp: in each block, q, k, v and the MLP's first layer
+        split by output columns (whole heads), the layers after them by input rows (their partial
+        sums all-reduced); the embeddings, norms and head stay whole on every rank of tp_mesh."""
+        for block in self.blocks:
+            parallelize_module(block, tp_mesh, {
+                # q, k and v read one input: made a DTensor once, one all-reduce in backward
+                "attn": PrepareModuleInput(input_layouts=Replicate(),
+                                           desired_input_layouts=Replicate()),
+                "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
 
     @torch.no_grad()
     def generate(self, idx, new_tokens, temperature=1.0, top_k=None, generator=None):

@@ -12,6 +12,8 @@ The claims, each against the lesson's own main() run unchanged (the lab only wra
 4. Evaluation counts every validation token once, at 1, 2 and 3 ranks, DDP and FSDP.
 5. TensorBoard's steps run 1, 2, ... once each across the restart.
 6. bf16 (DDP: autocast; FSDP: a mixed-precision policy) stays within 5e-2 of fp32.
+7. --tp 2 on 4 ranks (FSDP over 2 copies of the model, each split over 2 ranks) equals one process,
+   in float64, and its checkpoint resumes on 1 rank without tensor parallelism.
 """
 import argparse
 import inspect
@@ -64,7 +66,8 @@ STEPS, GLOBAL = 4, 24  # claims 1, 3, 6: 4 steps of 24 windows (2 x 12, 3 x 8, 1
 FLOAT64_TOL, BF16_AT_LEAST, BF16_TOL = 1e-10, 1e-4, 5e-2  # bf16: really on, and close
 CLAIM = {1: "DDP and FSDP equal one process", 2: "a SIGKILLed rank resumes bit-exact",
          3: "FSDP resumes on 1 and 3 ranks", 4: "evaluation counts every token once",
-         5: "TensorBoard logs each step once", 6: "bf16 is on and stays close"}
+         5: "TensorBoard logs each step once", 6: "bf16 is on and stays close",
+         7: "FSDP x TP equals one process"}
 RESTART = dict(steps=6, every=3, dropout=0.1, accumulate=2, batch_size=6)  # claim 2: kill at 5
 BREAKS = {
     "loss-not-divided": "train_step backpropagates each micro-batch's loss, not loss / K (claim 1)",
@@ -77,6 +80,12 @@ BREAKS = {
     "no-purge": "TensorBoard's writer forgets purge_step: a restart logs its steps again (claim 5)",
     "autocast-on-cuda": "autocast names the cuda device on a CPU run: torch warns and runs fp32 "
                         "(claim 6)",
+    "no-tensor-parallel": "--tp: the model's tensor_parallel() does nothing: each rank of a copy "
+                          "holds and computes it whole, equal to one process and split over "
+                          "nothing (claim 7)",
+    "data-by-global-rank": "--tp: each rank reads the windows of its global rank, as under DDP, "
+                           "not those of its model's copy: a copy's ranks split different batches "
+                           "(claim 7)",
 }
 
 
@@ -89,23 +98,34 @@ def install(broken, float64, accumulate, kept):
              "micro_batches", "F", "SummaryWriter", "torch", "train_step", "make_dataset")}
     saved_rng = torch.set_rng_state
     dtype = torch.float64 if float64 else torch.float32
-    lesson.make_model = lambda *a, **k: saved["make_model"](*a, **k).to(dtype)
+    lesson.make_model = lambda *a, **k: without_tp(saved["make_model"](*a, **k).to(dtype), broken)
     lesson.make_dataset = lambda *a, **k: in_dtype(saved["make_dataset"](*a, **k), dtype)
 
-    def counting_evaluate(model, dataset, batch_size, device, autocast):
+    def counting_evaluate(model, dataset, batch_size, device, autocast, group=None):
         if broken == "padded-evaluation":  # DistributedSampler's padding: equal shares, repeats
-            extra = -len(dataset) % lesson.dist.get_world_size()
+            extra = -len(dataset) % lesson.dist.get_world_size(group)
             dataset = ConcatDataset([dataset, Subset(dataset, range(extra))])
-        loss, counted = saved["evaluate"](model, dataset, batch_size, device, autocast)
+        loss, counted = saved["evaluate"](model, dataset, batch_size, device, autocast, group)
         kept.setdefault("counted", []).append(counted)
         return loss, counted
 
     def save_and_capture(folder, model, optimizer, scheduler, step, config, *args):
         path = saved_save(folder, model, optimizer, scheduler, step, config, *args)
         if step == config["steps"]:  # every rank: the full weights need the ranks' shards
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                         cpu_offload=True))
+            logger = logging.getLogger("torch.distributed.tensor._redistribute")
+            level = logger.level  # --tp: a 2-D DTensor is gathered one dimension after the other,
+            logger.setLevel(logging.ERROR)  # and says so on every rank; for the lab: fine
+            try:
+                state = get_model_state_dict(model, options=StateDictOptions(
+                    full_state_dict=True, cpu_offload=True))
+            finally:
+                logger.setLevel(level)
             kept["state"] = {k: v.detach().clone() for k, v in state.items()}
+            kept["split"] = [name for name, p in model.named_parameters() if any(  # over tp
+                d == "tp" and placement.is_shard() for d, placement in zip(getattr(
+                    p, "device_mesh", None) and p.device_mesh.mesh_dim_names or (),
+                    getattr(p, "placements", ())))]
+            kept["tensors"] = len(list(model.parameters()))
         return path
     saved_save = lesson.checkpoint.save
     lesson.checkpoint.save = save_and_capture
@@ -132,6 +152,10 @@ def install(broken, float64, accumulate, kept):
         torch.set_rng_state = lambda *a, **k: None
     if broken == "rank-seeded-data":
         lesson.micro_batches = rank_seeded_micro_batches
+    if broken == "data-by-global-rank":  # the lesson's rank and world size of the data ignored
+        lesson.micro_batches = lambda dataset, step, rank, world_size, *rest: saved[
+            "micro_batches"](dataset, step, lesson.dist.get_rank(), lesson.dist.get_world_size(),
+                             *rest)
     if broken == "no-purge":
         lesson.SummaryWriter = lambda log_dir, purge_step=None: saved["SummaryWriter"](log_dir)
     if broken == "autocast-on-cuda":
@@ -143,6 +167,13 @@ def install(broken, float64, accumulate, kept):
             setattr(lesson, name, value)
         torch.set_rng_state, lesson.checkpoint.save = saved_rng, saved_save
     return undo
+
+
+def without_tp(model, broken):
+    """--break no-tensor-parallel: the model's plan does nothing; each rank holds whole blocks."""
+    if broken == "no-tensor-parallel":
+        model.tensor_parallel = lambda tp_mesh: None
+    return model
 
 
 class InDtype(Dataset):
@@ -279,8 +310,8 @@ def main(argv=None):
     course.add_break_flag(parser, BREAKS)
     parser.add_argument("--lesson", default=LESSON, help="the training script to prove, beside "
                         "its model.py and checkpoint.py (default: this folder's train_gpt.py)")
-    parser.add_argument("--claims", type=int, nargs="+", choices=range(1, 7), metavar="N",
-                        help="prove only these claims (default: all six)")
+    parser.add_argument("--claims", type=int, nargs="+", choices=range(1, 8), metavar="N",
+                        help="prove only these claims (default: all seven)")
     parser.add_argument("--scaling", type=int, metavar="STEPS", help="instead of the proof: "
                         "tokens/s per rank on 1 and on 2 ranks (16 windows each), STEPS steps")
     parser.add_argument("--out-dir", help="keep every file here (default: a temporary folder)")
@@ -309,7 +340,8 @@ def main(argv=None):
 
 
 CLAIMS_OF = {"loss-not-divided": {1}, "no-rng-restore": {2}, "rank-seeded-data": {1, 3},
-             "padded-evaluation": {4}, "no-purge": {5}, "autocast-on-cuda": {6}}
+             "padded-evaluation": {4}, "no-purge": {5}, "autocast-on-cuda": {6},
+             "data-by-global-rank": {7}, "no-tensor-parallel": {7}}
 
 
 def job(name, out_dir, steps=STEPS, every=STEPS, **settings):
@@ -320,9 +352,9 @@ def job(name, out_dir, steps=STEPS, every=STEPS, **settings):
 
 def prove(broken, out_dir, wanted):
     """Runs what the wanted claims need (with --break: the claims it breaks), then reports."""
-    print(f"claim(s) {', '.join(map(str, sorted(wanted)))} of 6"
+    print(f"claim(s) {', '.join(map(str, sorted(wanted)))} of {len(CLAIM)}"
           + (f"; --break {broken}: {BREAKS[broken]}" if broken else ""), flush=True)
-    clock, two, three = time.perf_counter(), {}, {}
+    clock, two, three, four = time.perf_counter(), {}, {}, {}
     if wanted & {1, 3, 4, 6}:
         jobs = {"ddp": job("ddp", out_dir, batch_size=12),
                 "fsdp": job("fsdp", out_dir, parallel="fsdp", batch_size=12, every=2)}
@@ -342,8 +374,15 @@ def prove(broken, out_dir, wanted):
     elif 2 in wanted:
         two = spawn(2, {f"{p}-uninterrupted": dict(RESTART, parallel=p, out_dir=os.path.join(
             out_dir, f"u-{p}")) for p in ("ddp", "fsdp")}, broken, out_dir)
-    one = on_one = None
-    if wanted & {1, 4}:
+    one = on_one = tp_on_one = None
+    if 7 in wanted:  # FSDP x TP: 2 copies of 12 windows, each on 2 ranks; saved at step 2
+        four = spawn(4, {"fsdp-tp": job("fsdp-tp", out_dir, parallel="fsdp", tp=2, batch_size=12,
+                                        every=2)}, broken, out_dir)
+        shutil.copytree(os.path.join(out_dir, "fsdp-tp", "step0000002"),
+                        os.path.join(out_dir, "tp-on-1", "step0000002"))
+        tp_on_one = in_this_process("tp-on-1", job("tp-on-1", out_dir, parallel="fsdp",
+                                                   batch_size=GLOBAL), broken, out_dir)
+    if wanted & {1, 4, 7}:
         one = in_this_process("one", job("one", out_dir, batch_size=GLOBAL), broken, out_dir)
     if wanted & {3, 4}:  # the FSDP run's checkpoint of step 2, resumed on 1 and on 3 ranks
         for world in (1, 3):
@@ -353,11 +392,11 @@ def prove(broken, out_dir, wanted):
                           "ddp-3": job("ddp-3", out_dir, batch_size=8, steps=1)}, broken, out_dir)
         on_one = in_this_process("fsdp-on-1", job("fsdp-on-1", out_dir, parallel="fsdp",
                                                   batch_size=GLOBAL), broken, out_dir)
-    runs = len(two) + len(three) + (one is not None) + (on_one is not None)
-    print(f"{runs} runs of main() on 1, 2 and 3 ranks took {time.perf_counter() - clock:.1f} s "
+    runs = len(two) + len(three) + len(four) + sum(r is not None for r in (one, on_one, tp_on_one))
+    print(f"{runs} runs of main() on 1 to 4 ranks took {time.perf_counter() - clock:.1f} s "
           f"on {course.hardware()}", flush=True)
     killed = restart(broken, out_dir) if wanted & {2, 5} else None
-    return report(wanted, two, one, three, on_one, killed, out_dir)
+    return report(wanted, two, one, three, on_one, killed, out_dir, four, tp_on_one)
 
 
 def scaling(steps, out_dir):
@@ -431,7 +470,7 @@ def restart(broken, out_dir):
     return code, runs
 
 
-def report(wanted, two, one, three, on_one, killed, out_dir):
+def report(wanted, two, one, three, on_one, killed, out_dir, four, tp_on_one):
     """Prints each wanted claim's numbers; the PROOF line covers the wanted claims only."""
     passed, measured = {}, []
     if 1 in wanted:
@@ -460,7 +499,8 @@ def report(wanted, two, one, three, on_one, killed, out_dir):
         val_set = lesson.make_dataset(None, context)[1]
         tokens = len(val_set) * torch.as_tensor(val_set[0][1]).numel()  # a window, or a label
         counts = {"1 rank": one, "2 ranks DDP": two["ddp"], "2 ranks FSDP": two["fsdp"],
-                  "3 ranks DDP": three["ddp-3"], "3 ranks FSDP": three["fsdp-on-3"]}
+                  "3 ranks DDP": three["ddp-3"], "3 ranks FSDP": three["fsdp-on-3"],
+                  **({"4 ranks FSDP x TP 2": four["fsdp-tp"]} if four else {})}
         counts = {k: v["counted"] for k, v in counts.items()}
         print(f"4. validation targets counted, of {len(val_set)} samples: {tokens} (uneven "
               f"shards at 2 and 3 ranks): "
@@ -479,6 +519,13 @@ def report(wanted, two, one, three, on_one, killed, out_dir):
               f"mixed-precision policy {bf16[1]:.1e}")
         passed[6] = BF16_AT_LEAST <= min(bf16) and max(bf16) <= BF16_TOL
         measured.append(f"bf16 {min(bf16):.1e} to {max(bf16):.1e}")
+    if 7 in wanted:
+        tp, split = [gap(four["fsdp-tp"], one), gap(tp_on_one, four["fsdp-tp"])], four["fsdp-tp"]
+        print(f"7. float64, --tp 2 on 4 ranks ({len(split['split'])} of {split['tensors']} "
+              f"parameter tensors split over the tp ranks) against one process: {tp[0]:.1e}; its "
+              f"step-2 checkpoint resumed on 1 rank without TP: {tp[1]:.1e}")
+        passed[7] = max(tp) <= FLOAT64_TOL and len(split["split"]) > 0
+        measured.append(f"FSDP x TP {max(tp):.1e}")
     failed = [str(n) for n, ok in passed.items() if not ok]
     claim = ", ".join(CLAIM[n] for n in sorted(wanted))
     return course.report_proof(not failed, claim if not failed else

@@ -1,9 +1,11 @@
-r"""Lesson 11, the capstone: a small GPT on real text, with lessons 04, 05, 07 and 09 together.
+r"""Lesson 11, the capstone: a small GPT on real text, with lessons 04, 05, 07, 09 and 10 together.
 
     python 11_train_gpt/train_gpt.py                                     # one process
     torchrun --standalone --nproc-per-node=2 11_train_gpt/train_gpt.py --out-dir out_ddp2
     torchrun --standalone --nproc-per-node=2 --max-restarts=1 11_train_gpt/train_gpt.py \
         --parallel fsdp --accumulate 2 --precision bf16 --out-dir out_fsdp  # restarts resume
+    torchrun --standalone --nproc-per-node=4 11_train_gpt/train_gpt.py --parallel fsdp --tp 2 \
+        --out-dir out_2d  # 2-D: FSDP over 2 copies of the model, each split over 2 ranks (TP)
 
 Your own project: replace make_dataset and make_model; nothing else needs to change.
 """
@@ -23,9 +25,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 from torch.utils.tensorboard import SummaryWriter
 
 import checkpoint
@@ -110,19 +113,19 @@ def upcast(logits):
 
 
 @torch.no_grad()
-def evaluate(model, dataset, batch_size, device, autocast):
+def evaluate(model, dataset, batch_size, device, autocast, group=None):
     """(mean loss per token, tokens counted): every validation token once, on any world size.
     Each rank runs the same number of forwards (FSDP's forward is a collective: a rank that
-    stopped early would leave the others waiting); past its share it counts nothing."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    stopped early would leave the others waiting); past its share it counts nothing. group:
+    the data-parallel ranks (--tp: the ranks of one model's copy read the same windows)."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     mine = list(range(rank, len(dataset), world_size))
     batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)
     total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     for b in range(batches):
         chunk = mine[b * batch_size: (b + 1) * batch_size]
-        x, y = next(iter(DataLoader(dataset, batch_size=batch_size, sampler=chunk or [0],
-                                    generator=torch.Generator())))
+        x, y = default_collate([dataset[i] for i in chunk or [0]])
         with autocast:
             logits = model(x.to(device))
         loss = F.cross_entropy(upcast(logits).flatten(0, -2), y.to(device).flatten(),
@@ -130,7 +133,7 @@ def evaluate(model, dataset, batch_size, device, autocast):
         if chunk:
             total += torch.stack([loss.double(), torch.tensor(y.numel(), device=device)])
     model.train()
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=group)
     return (total[0] / total[1]).item(), int(total[1].item())
 
 
@@ -148,11 +151,24 @@ def train_step(model, batches, optimizer, parallel, autocast, clip):
             loss = F.cross_entropy(upcast(logits).flatten(0, -2), y.flatten().to(logits.device))
             (loss / len(batches)).backward()  # the mean over the step's micro-batches
         losses.append(loss.item())
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # FSDP: the global norm
+    norm = clip_grad_norm(model.parameters(), clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return sum(losses) / len(losses), norm.full_tensor().item() if hasattr(norm, "full_tensor") \
-        else norm.item()
+    return sum(losses) / len(losses), norm.item()
+
+
+def clip_grad_norm(parameters, clip):
+    """torch's clip_grad_norm_ (FSDP: the global norm), also for parameters on two meshes, which
+    it cannot stack (--tp: the blocks' on dp x tp, the rest on dp): a norm per mesh, then theirs."""
+    meshes = {}
+    for p in (p for p in parameters if p.grad is not None):
+        meshes.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in meshes.values()]
+    # --tp: torch logs once per rank that the 2-D norm takes 2 all-reduces; harmless (NOTES.md)
+    norm = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
+    for group in meshes.values():
+        torch.nn.utils.clip_grads_with_norm_(group, clip, norm)
+    return norm
 
 
 def warmup_cosine(warmup, steps):
@@ -165,15 +181,17 @@ def warmup_cosine(warmup, steps):
     return factor
 
 
-def wrap(model, parallel, device, precision):
+def wrap(model, parallel, device, precision, mesh):
     if parallel == "ddp":  # bf16: autocast in the loop; DDP itself stays fp32
         return DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    if mesh["tp"].size() > 1:  # first each block split over the tp ranks (lesson 10)
+        model.tensor_parallel(mesh["tp"])
     bf16 = precision == "bf16"  # bf16 compute, fp32 gradient reduction and optimizer state
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32 if bf16 else None)
-    for block in model.blocks:  # each block all-gathered only while it runs
-        fully_shard(block, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)  # the root last: embeddings, norm, head
+    for block in model.blocks:  # each block all-gathered (over the dp ranks) only while it runs
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    return fully_shard(model, mesh=mesh["dp"], mp_policy=policy)  # the root last: embeddings...
 
 
 def choose_backend(world_size):
@@ -195,7 +213,8 @@ def init_distributed(backend, device, timeout):
 
 
 def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, precision="fp32",
-         out_dir="out_gpt", lr=3e-3, dropout=0.0, context=64, seed=0, every=100, timeout=600):
+         out_dir="out_gpt", tp=1, lr=3e-3, dropout=0.0, context=64, seed=0, every=100,
+         timeout=600):
     """One process = one rank. Returns (the model, unwrapped from DDP, this run's losses, the
     step it started from). timeout: a save hashes the whole checkpoint while the others wait."""
     if "RANK" not in os.environ:  # plain `python`: a world of one, as nanoGPT's train.py does
@@ -208,16 +227,20 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
     if device.type == "cuda":
         torch.cuda.set_device(device)
     train_set, val_set, what = make_dataset(data, context)
-    net, global_batch = make_model(context, dropout, seed), world_size * accumulate * batch_size
-    # Every setting that changes the numbers; world size, K and batch size only split the batch.
+    dp_size = world_size // max(tp, 1)  # copies of the model, each split over tp ranks (1: whole)
+    net, global_batch = make_model(context, dropout, seed), dp_size * accumulate * batch_size
+    # Every setting that changes the numbers; world size, tp, K, batch size only split the work.
     size = f"{type(net).__name__}: {sum(p.numel() for p in net.parameters())} parameters"
     config = dict(data=f"{what}: {len(train_set)} + {len(val_set)} samples", model=size, lr=lr,
                   parallel=parallel, steps=steps, global_batch=global_batch, precision=precision,
                   dropout=dropout, context=context, seed=seed, clip=1.0, weight_decay=0.1)
-    try:
-        resume = checkpoint.find(out_dir, config, parallel)  # before any rank starts collectives
-    except checkpoint.BadCheckpoint as error:  # one line, from rank 0 only; nothing overwritten
-        if rank == 0:
+    try:  # before any rank starts collectives
+        if tp < 1 or world_size % tp or tp > 1 and (parallel != "fsdp" or net.n_head % tp):
+            raise ValueError(f"--tp {tp} needs --parallel fsdp and must divide the {world_size} "
+                             "ranks and the model's heads (each tp rank computes whole heads)")
+        resume = checkpoint.find(out_dir, config, parallel)
+    except (ValueError, checkpoint.BadCheckpoint) as error:  # one line, from rank 0 only,
+        if rank == 0:  # and nothing overwritten
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     init_distributed(backend, device, timeout)
@@ -227,20 +250,25 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
         dist.all_gather_object(chosen, resume)  # every rank must read one folder: a shared disk
         if len(set(chosen)) > 1:
             raise RuntimeError(f"the ranks found different checkpoints in {out_dir}: {chosen}")
+        # rank = dp_rank * tp + tp_rank: the tp ranks of one copy read the same windows
+        mesh = init_device_mesh(device.type, (dp_size, tp), mesh_dim_names=("dp", "tp"))
+        dp_rank = mesh["dp"].get_local_rank()
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
             for unfinished in glob.glob(os.path.join(out_dir, "*.tmp")):  # a save that crashed
                 shutil.rmtree(unfinished) if os.path.isdir(unfinished) else os.remove(unfinished)
-            print(f"backend: {backend} ({reason}); {parallel} on {world_size} rank(s); global "
-                  f"batch {world_size} x {accumulate} x {batch_size} = {global_batch}; "
+            print(f"backend: {backend} ({reason}); {parallel} on {world_size} rank(s)"
+                  f"{f', tensor parallel over {tp}' if tp > 1 else ''}; global batch "
+                  f"{dp_size} x {accumulate} x {batch_size} = {global_batch}; "
                   f"{precision}; data: {what}; resuming from {resume}", flush=True)
         dist.barrier()
         dtype = torch.bfloat16 if precision == "bf16" and parallel == "ddp" else None
         autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-        model, net = wrap(net.to(device), parallel, device, precision), None
+        model, net = wrap(net.to(device), parallel, device, precision, mesh), None
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps // 10, steps))
-        torch.manual_seed(seed + 1 + rank)  # each rank its own dropout masks, saved and restored
+        # each copy its own dropout masks; its tp ranks the same (they hold the same activations)
+        torch.manual_seed(seed + 1 + dp_rank)  # saved and restored with every checkpoint
         start = checkpoint.load(resume, model, optimizer, scheduler, parallel, device) \
             if resume else 0
         if rank == 0:  # purge_step: what a crashed attempt logged after the checkpoint is hidden
@@ -250,7 +278,7 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
         tokens = global_batch * torch.as_tensor(train_set[0][1]).numel()  # per step, all ranks
         losses, clock = [], time.perf_counter()
         for step in range(start, steps):
-            batches = micro_batches(train_set, step, rank, world_size, accumulate, batch_size, seed)
+            batches = micro_batches(train_set, step, dp_rank, dp_size, accumulate, batch_size, seed)
             lr_now = scheduler.get_last_lr()[0]  # this step's learning rate
             loss, norm = train_step(model, batches, optimizer, parallel, autocast, clip=1.0)
             scheduler.step()
@@ -259,7 +287,8 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
             if done % every == 0 or done == steps:  # saved first: the evaluation is not in it
                 path = checkpoint.save(out_dir, model, optimizer, scheduler, done, config, parallel,
                                        device)
-                val_loss, counted = evaluate(plain, val_set, 4 * batch_size, device, autocast)
+                val_loss, counted = evaluate(plain, val_set, 4 * batch_size, device, autocast,
+                                             mesh["dp"].get_group())
                 if rank == 0:
                     rate = tokens * (done - start) / (time.perf_counter() - clock) / world_size
                     print(f"step {done}/{steps}  loss {loss:.4f} (rank 0)  val {val_loss:.4f} "
@@ -295,6 +324,6 @@ if __name__ == "__main__":  # torchrun runs this file once per rank
     parser.add_argument("--batch-size", type=int, default=16, help="windows per micro-batch")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--out-dir", default="out_gpt", help="checkpoints and TensorBoard")
-    args = parser.parse_args()
-    main(args.data, args.parallel, args.steps, args.accumulate, args.batch_size, args.precision,
-         args.out_dir)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per model copy "
+                        "(with --parallel fsdp: 2-D)")
+    main(**vars(parser.parse_args()))

@@ -268,17 +268,21 @@ CUT_EXERCISES = {
         "micro_batches": [
             "micro_batches(dataset, step, rank, world_size, accumulate, batch_size, seed): this "
             "rank's share of the step's windows (step_windows), as a DataLoader of `accumulate` "
-            "micro-batches, with its own generator",
+            "micro-batches, with its own generator (rank and world_size: main passes the "
+            "data-parallel ones: with --tp, a copy's ranks read the same windows)",
         ],
         "train_step": [
             "train_step(model, batches, optimizer, parallel, autocast, clip): one optimizer step "
             "over K micro-batches; gradients reduced once, on the last (DDP: no_sync(); FSDP: "
-            "set_requires_gradient_sync); backward of loss / K; clip; step; zero the grads; "
+            "set_requires_gradient_sync); backward of loss / K; clip (clip_grad_norm, below); "
+            "step; zero the grads; "
             "return (this rank's mean loss, the grad norm before clipping)",
         ],
         "wrap": [
-            "wrap(model, parallel, device, precision): 'ddp': DDP; 'fsdp': fully_shard each "
-            "block, then the root, with a MixedPrecisionPolicy for bf16",
+            "wrap(model, parallel, device, precision, mesh): 'ddp': DDP; 'fsdp': with --tp "
+            "(mesh['tp'] of more than 1 rank) model.tensor_parallel(mesh['tp']) first; then "
+            "fully_shard each block, then the root, over mesh['dp'], with a MixedPrecisionPolicy "
+            "for bf16",
         ],
     }),
 }

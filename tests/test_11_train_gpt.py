@@ -57,6 +57,11 @@ def test_every_claim_holds_on_the_gpt():
     total = re.search(r"of \d+ samples: (\d+)", out).group(1)
     assert counts and set(counts) == {total}, counts
     assert last_line_matching(r"^5\. ", out).endswith("DDP [1, 2, 3, 4, 5, 6], FSDP [1, 2, 3, 4, 5, 6]")
+    tp = last_line_matching(r"^7\. ", out)
+    assert "20 of 36 parameter tensors split over the tp ranks" in tp, tp  # q, k, v, mlp.0: weight
+    gaps = re.findall(r"\d\.\de[-+]\d\d", tp)  # and bias; proj, mlp.2: weight; in 2 blocks
+    assert len(gaps) == 2 and max(map(float, gaps)) <= 1e-10, gaps
+    assert "4 ranks FSDP x TP 2 31040, 31040" in last_line_matching(r"^4\. ", out)
     assert "PROOF PASSED" in out
 
 
@@ -64,7 +69,18 @@ def test_autocast_on_the_wrong_device_fails_the_bf16_claim():
     result = run_readme_command("python 11_train_gpt/prove.py --break autocast-on-cuda")
     assert result.returncode == 1, result.stderr[-3000:]
     assert "PROOF FAILED: NOT every claim holds (claim 6 fails)" in result.stdout
-    assert "claim(s) 6 of 6" in result.stdout, "a break runs only the claims it breaks"
+    assert "claim(s) 6 of 7" in result.stdout, "a break runs only the claims it breaks"
+
+
+def test_tensor_parallelism_switched_off_is_equal_and_still_fails_claim_7():
+    """Without the plan, each rank of a copy computes the whole model: equal to one process, and
+    proving nothing about TP. Claim 7 counts the tensors split over the tp ranks too."""
+    result = run_readme_command("python 11_train_gpt/prove.py --break no-tensor-parallel")
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = last_line_matching(r"^7\. ", result.stdout)
+    assert "0 of 36 parameter tensors split" in line, line
+    assert max(map(float, re.findall(r"\d\.\de[-+]\d\d", line))) <= 1e-10, "equal, yet it fails"
+    assert "PROOF FAILED: NOT every claim holds (claim 7 fails)" in result.stdout
 
 
 # --- the data: one stream, whatever the world size ----------------------------------------------
@@ -106,6 +122,27 @@ def test_rank_seeded_data_draws_other_windows_than_the_step(prove, lesson):
     two = sum((list(prove.rank_seeded_micro_batches(train_set, 1, r, 2, 1, 12, 0).sampler)
                for r in range(2)), [])
     assert sorted(two) != sorted(lesson.step_windows(len(train_set), 1, 24, 0))
+
+
+def test_data_by_global_rank_gives_a_copys_two_tp_ranks_different_windows(prove, lesson,
+                                                                        monkeypatch):
+    """--break data-by-global-rank: on 4 ranks with --tp 2, ranks 0 and 1 are copy 0's; the
+    lesson gives both dp rank 0 of 2 (the same windows), the break their global ranks."""
+    train_set, kept = lesson.make_dataset(None, 64)[0], {}
+    windows = {}
+    for broken in (None, "data-by-global-rank"):
+        undo = prove.install(broken, False, 1, kept)
+        try:
+            for global_rank in (0, 1):
+                monkeypatch.setattr(lesson.dist, "get_rank", lambda group=None, r=global_rank: r)
+                monkeypatch.setattr(lesson.dist, "get_world_size", lambda group=None: 4)
+                windows[broken, global_rank] = list(lesson.micro_batches(
+                    train_set, 1, 0, 2, 1, 12, 0).sampler)  # what main passes: dp rank 0 of 2
+        finally:
+            undo()
+    step = lesson.step_windows(len(train_set), 1, 24, 0)
+    assert windows[None, 0] == windows[None, 1] == step[:12], "copy 0: the step's first half"
+    assert windows["data-by-global-rank", 0] != windows["data-by-global-rank", 1]
 
 
 # --- the lesson in this process: a world of one -------------------------------------------------
@@ -167,6 +204,17 @@ def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing
         manifest.write_text(listed)
     # whole again: it resumes at its last step, with nothing left to do
     assert run_main(prove, folder, steps=2, every=1, parallel=parallel)[2] == 2
+
+
+@pytest.mark.parametrize("settings", [dict(tp=2, parallel="fsdp"), dict(tp=2), dict(tp=0)],
+                         ids=["tp-above-the-world", "tp-without-fsdp", "tp-0"])
+def test_a_bad_tp_stops_with_one_line_before_any_rank_starts(prove, world_of_one, tmp_path,
+                                                              capsys, settings):
+    with pytest.raises(SystemExit) as stop:
+        run_main(prove, tmp_path / "run", steps=1, **settings)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"--tp {settings['tp']} needs --parallel fsdp" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 def test_a_crashed_saves_tmp_is_never_resumed(prove, world_of_one, tmp_path):
