@@ -79,7 +79,7 @@ GPU_PLAN = {
     "10_tensor_parallel": (lambda g: ["--device", "cuda"] if g >= 4 else [],
                            "NCCL with 4 GPUs or more (its one launch of 4 ranks; round 1's two "
                            "2-rank runs share GPUs 0-1, each on its own communicator); fewer: gloo on CPU"),
-    "11_train_gpt": (lambda g: [], "no flag: its runs at 1, 2 and 3 ranks each take NCCL where there "
+    "11_train_gpt": (lambda g: [], "no flag: its runs at 1, 2, 3 and 4 ranks each take NCCL where there "
                      "is a GPU per rank, else gloo on CPU; it prints no backend line"),
 }
 

@@ -392,9 +392,13 @@ def prove(broken, out_dir, wanted):
                           "ddp-3": job("ddp-3", out_dir, batch_size=8, steps=1)}, broken, out_dir)
         on_one = in_this_process("fsdp-on-1", job("fsdp-on-1", out_dir, parallel="fsdp",
                                                   batch_size=GLOBAL), broken, out_dir)
-    runs = len(two) + len(three) + len(four) + sum(r is not None for r in (one, on_one, tp_on_one))
-    print(f"{runs} runs of main() on 1 to 4 ranks took {time.perf_counter() - clock:.1f} s "
-          f"on {course.hardware()}", flush=True)
+    ones = sum(r is not None for r in (one, on_one, tp_on_one))
+    worlds = [str(w) for w, runs in ((1, ones), (2, len(two)), (3, len(three)), (4, len(four)))
+              if runs]
+    print(f"{ones + len(two) + len(three) + len(four)} runs of main() on "
+          f"{' and '.join([', '.join(worlds[:-1]), worlds[-1]] if len(worlds) > 1 else worlds)} "
+          f"rank{'' if worlds == ['1'] else 's'} took {time.perf_counter() - clock:.1f} s on "
+          f"{course.hardware()}", flush=True)
     killed = restart(broken, out_dir) if wanted & {2, 5} else None
     return report(wanted, two, one, three, on_one, killed, out_dir, four, tp_on_one)
 

@@ -89,7 +89,8 @@ EXAMPLES = {  # real PROOF lines (README output blocks): (measured, tolerance)
                         "~6.0e-08", "1e-06"),  # the claim holds its own (2 replica threads)
     "02_ddp_spawn": ("max |dw| between ranks 0.0e+00, against one process ~3.0e-08", "1e-05"),
     "05_torchrun_elastic": ("torch.equal; max |dw| 0.0e+00", "0"),
-    "11_train_gpt": ("float64 ~6.3e-16; resumed 0.0e+00; moved ~1.9e-16; bf16 ~7.5e-03 to ~1.1e-02",
+    "11_train_gpt": ("float64 ~2.5e-14; resumed 0.0e+00; moved ~2.2e-16; bf16 ~7.5e-03 to ~1.0e-02; "
+                     "FSDP x TP ~3.6e-14",
                      "1e-10 float64, 0 resumed, bf16 0.0001 to 0.05"),
 }
 
@@ -118,8 +119,8 @@ def test_what_ran_is_read_from_the_labs_own_lines():
                 "10_tensor_parallel": ("gloo", "cpu", 4),
                 "11_train_gpt": (None, None, 2)}
     assert {lab: run_lessons.what_ran(readme_output(lab)) for lab in LABS} == expected
-    assert run_lessons.what_ran("claim(s) 1, 2 of 6\n12 runs of main() on 1, 2 and 3 ranks took 5 s\n") \
-        == (None, None, [1, 2, 3])  # lab 11's own line (the README leaves it out)
+    assert run_lessons.what_ran("claim(s) 1, 2 of 7\n15 runs of main() on 1, 2, 3 and 4 ranks took 5 s\n") \
+        == (None, None, [1, 2, 3, 4])  # lab 11's own line (the README leaves it out)
     assert run_lessons.what_ran("backend: nccl (1 GPU(s) visible, one per rank); world size 1; global "
                                 "batch 1 x 16 = 16\n") == ("nccl", "cuda", 1)
     assert run_lessons.what_ran("device: cuda (a GPU is visible)\n") == (None, "cuda", None)
