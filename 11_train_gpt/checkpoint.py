@@ -26,12 +26,13 @@ def sha256(path):
         return hashlib.file_digest(f, "sha256").hexdigest()  # in chunks: checkpoints are large
 
 
-def rng_states(device):
-    """This rank's RNG states, gathered from every rank: dropout continues where it stopped."""
+def rng_states(device, group):
+    """The RNG states of `group`'s ranks, the data-parallel ones (--tp: a copy's ranks hold the
+    same, its dropout's): dropout continues where it stopped."""
     mine = {"cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, mine)
+    states = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, mine, group=group)
     return states
 
 
@@ -46,10 +47,10 @@ def fsync_rename(tmp, path):
         os.fsync(fd), os.close(fd)
 
 
-def save(folder, model, optimizer, scheduler, step, config, parallel, device):
+def save(folder, model, optimizer, scheduler, step, config, parallel, device, group=None):
     """EVERY rank calls it. Keeps this checkpoint and the one before it."""
     train_state = {"step": step, "config": config, "scheduler": scheduler.state_dict(),
-                   "rng": rng_states(device)}
+                   "rng": rng_states(device, group)}
     rank = dist.get_rank()
     name = path = os.path.join(folder, f"step{step:07d}")
     if parallel == "ddp":
@@ -122,9 +123,9 @@ def find(folder, config, parallel):
     return path
 
 
-def load(path, model, optimizer, scheduler, parallel, device):
-    """Every rank loads onto its own device; returns the step to continue from. On the world size
-    that saved it, each rank takes back its own RNG state; on another, it cannot, and reseeds."""
+def load(path, model, optimizer, scheduler, parallel, device, group=None):
+    """Every rank loads onto its own device; returns the step to continue from. On as many
+    data-parallel ranks (`group`) as saved it, each takes back its RNG state; else it reseeds."""
     if parallel == "ddp":
         state = torch.load(path, map_location="cpu", weights_only=True)  # no GPU memory peak
         model.module.load_state_dict(state["model"])
@@ -138,8 +139,8 @@ def load(path, model, optimizer, scheduler, parallel, device):
         state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu",
                            weights_only=True)
     scheduler.load_state_dict(state["scheduler"])
-    rank, rng = dist.get_rank(), state["rng"]
-    if len(rng) == dist.get_world_size():
+    rank, rng = dist.get_rank(group), state["rng"]
+    if len(rng) == dist.get_world_size(group):
         torch.set_rng_state(rng[rank]["cpu"].cpu())
         if device.type == "cuda" and rng[rank]["cuda"] is not None:  # saved on a GPU
             torch.cuda.set_rng_state(rng[rank]["cuda"].cpu(), device)

@@ -230,7 +230,7 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
             raise RuntimeError(f"the ranks found different checkpoints in {out_dir}: {chosen}")
         # rank = dp_rank * tp + tp_rank: the tp ranks of one copy read the same windows
         mesh = init_device_mesh(device.type, (dp_size, tp), mesh_dim_names=("dp", "tp"))
-        dp_rank = mesh["dp"].get_local_rank()
+        dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
             for unfinished in glob.glob(os.path.join(out_dir, "*.tmp")):  # a save that crashed
@@ -247,7 +247,7 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps // 10, steps))
         # each copy its own dropout masks; its tp ranks the same (they hold the same activations)
         torch.manual_seed(seed + 1 + dp_rank)  # saved and restored with every checkpoint
-        start = checkpoint.load(resume, model, optimizer, scheduler, parallel, device) \
+        start = checkpoint.load(resume, model, optimizer, scheduler, parallel, device, dp_group) \
             if resume else 0
         if rank == 0:  # purge_step: what a crashed attempt logged after the checkpoint is hidden
             writer = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=start + 1)
@@ -264,9 +264,9 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
             done = step + 1
             if done % every == 0 or done == steps:  # saved first: the evaluation is not in it
                 path = checkpoint.save(out_dir, model, optimizer, scheduler, done, config, parallel,
-                                       device)
+                                       device, dp_group)
                 val_loss, counted = evaluate(plain, val_set, 4 * batch_size, device, autocast,
-                                             mesh["dp"].get_group())
+                                             dp_group)
                 if rank == 0:
                     rate = tokens * (done - start) / (time.perf_counter() - clock) / world_size
                     print(f"step {done}/{steps}  loss {loss:.4f} (rank 0)  val {val_loss:.4f} "

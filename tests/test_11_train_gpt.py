@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -215,6 +216,37 @@ def test_a_bad_tp_stops_with_one_line_before_any_rank_starts(prove, world_of_one
     err = capsys.readouterr().err
     assert stop.value.code == 2 and f"--tp {settings['tp']} needs --parallel fsdp" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("copies_saved", [2, 3], ids=["same-copies", "other-copies"])
+def test_a_resume_restores_or_reseeds_dropout_by_the_copy_not_the_rank(lesson, tmp_path,
+                                                                      monkeypatch, copies_saved):
+    """Rank 3 of 4 under --tp 2 is copy 1 of 2, as is rank 2: both must leave the checkpoint with
+    copy 1's RNG state (saved by as many copies), or both with the same new seed (saved by
+    another number), never rank 3's own: its dropout would drop other activations than rank 2."""
+    net = lesson.make_model(64, 0.0, 0)
+    optimizer = torch.optim.AdamW(net.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    states = [torch.Generator().manual_seed(100 + c).get_state() for c in range(copies_saved)]
+    path = tmp_path / "step0000007.pt"
+    torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "step": 7,
+                "scheduler": scheduler.state_dict(), "config": {"seed": 0},
+                "rng": [{"cpu": state, "cuda": None} for state in states]}, path)
+    copies = object()  # the data-parallel group: rank 1 of 2 in it, rank 3 of 4 in the world
+    monkeypatch.setattr(lesson.checkpoint.dist, "get_rank",
+                        lambda group=None: 1 if group is copies else 3)
+    monkeypatch.setattr(lesson.checkpoint.dist, "get_world_size",
+                        lambda group=None: 2 if group is copies else 4)
+    before = torch.get_rng_state()
+    try:
+        step = lesson.checkpoint.load(str(path), SimpleNamespace(module=net), optimizer, scheduler,
+                                      "ddp", torch.device("cpu"), copies)
+        restored = torch.get_rng_state()
+    finally:
+        torch.set_rng_state(before)
+    reseeded = torch.Generator().manual_seed(0 + 1000 * 7 + 1).get_state()  # seed, step, copy
+    expected = states[1] if copies_saved == 2 else reseeded
+    assert step == 7 and torch.equal(restored, expected)
 
 
 def test_a_crashed_saves_tmp_is_never_resumed(prove, world_of_one, tmp_path):
