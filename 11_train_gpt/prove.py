@@ -13,7 +13,8 @@ The claims, each against the lesson's own main() run unchanged (the lab only wra
 5. TensorBoard's steps run 1, 2, ... once each across the restart.
 6. bf16 (DDP: autocast; FSDP: a mixed-precision policy) stays within 5e-2 of fp32.
 7. --tp 2 on 4 ranks (FSDP over 2 copies of the model, each split over 2 ranks) equals one process,
-   in float64, and its checkpoint resumes on 1 rank without tensor parallelism.
+   in float64, and its checkpoint resumes on 1 rank without tensor parallelism; with dropout, a
+   copy's ranks keep the weights they both hold whole equal.
 """
 import argparse
 import inspect
@@ -83,6 +84,9 @@ BREAKS = {
     "no-tensor-parallel": "--tp: the model's tensor_parallel() does nothing: each rank of a copy "
                           "holds and computes it whole, equal to one process and split over "
                           "nothing (claim 7)",
+    "dropout-by-global-rank": "--tp: each rank seeds dropout with its global rank, as under DDP: a "
+                              "copy's ranks drop different activations, and the weights they both "
+                              "hold whole drift apart (claim 7)",
     "data-by-global-rank": "--tp: each rank reads the windows of its global rank, as under DDP, "
                            "not those of its model's copy: a copy's ranks split different batches "
                            "(claim 7)",
@@ -112,20 +116,16 @@ def install(broken, float64, accumulate, kept):
     def save_and_capture(folder, model, optimizer, scheduler, step, config, *args):
         path = saved_save(folder, model, optimizer, scheduler, step, config, *args)
         if step == config["steps"]:  # every rank: the full weights need the ranks' shards
-            logger = logging.getLogger("torch.distributed.tensor._redistribute")
-            level = logger.level  # --tp: a 2-D DTensor is gathered one dimension after the other,
-            logger.setLevel(logging.ERROR)  # and says so on every rank; for the lab: fine
-            try:
-                state = get_model_state_dict(model, options=StateDictOptions(
-                    full_state_dict=True, cpu_offload=True))
-            finally:
-                logger.setLevel(level)
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                         cpu_offload=True))
             kept["state"] = {k: v.detach().clone() for k, v in state.items()}
             kept["split"] = [name for name, p in model.named_parameters() if any(  # over tp
                 d == "tp" and placement.is_shard() for d, placement in zip(getattr(
                     p, "device_mesh", None) and p.device_mesh.mesh_dim_names or (),
                     getattr(p, "placements", ())))]
             kept["tensors"] = len(list(model.parameters()))
+            if kept.get("tp", 1) > 1:  # what a copy's ranks both hold whole must stay equal
+                kept["copies_apart"] = copies_apart(model, kept["split"], kept["tp"])
         return path
     saved_save = lesson.checkpoint.save
     lesson.checkpoint.save = save_and_capture
@@ -134,6 +134,8 @@ def install(broken, float64, accumulate, kept):
 
     def timed_step(*args, **kwargs):  # --scaling: each step's seconds, and steps 3-5 profiled
         start, number = time.perf_counter(), len(kept.setdefault("seconds", [])) + 1
+        if broken == "dropout-by-global-rank" and number == 1:  # as seed + 1 + rank in main()
+            torch.manual_seed(kept.get("seed", 0) + 1 + lesson.dist.get_rank())
         if kept.get("profile") and number == 3:
             kept["profiler"] = torch.profiler.profile(activities=[
                 torch.profiler.ProfilerActivity.CPU])
@@ -167,6 +169,16 @@ def install(broken, float64, accumulate, kept):
             setattr(lesson, name, value)
         torch.set_rng_state, lesson.checkpoint.save = saved_rng, saved_save
     return undo
+
+
+def copies_apart(model, split, tp):
+    """EVERY rank calls it. The largest difference between a copy's ranks (rank = dp_rank x tp +
+    tp_rank) in the parameters not split over tp: 0.0 unless their dropout masks differed."""
+    mine = {name: p.to_local().detach().cpu() if hasattr(p, "to_local") else p.detach().cpu()
+            for name, p in model.named_parameters() if name not in split}
+    everyone = [None] * lesson.dist.get_world_size()
+    lesson.dist.all_gather_object(everyone, mine)
+    return max(course.max_abs_diff(everyone[r], everyone[r - r % tp]) for r in range(len(everyone)))
 
 
 def without_tp(model, broken):
@@ -218,15 +230,19 @@ def run_jobs(rank, world_size, ports, jobs, broken, out_dir, path):
 
 def run_one(name, job, broken, out_dir, rank=0):
     job = dict(job)
-    kept, float64 = {}, job.pop("float64", False)
+    kept, float64 = {"tp": job.get("tp", 1), "seed": job.get("seed", 0)}, job.pop("float64", False)
     if job.pop("profile", False):
         kept["profile"] = os.path.join(out_dir, f"trace-rank{rank}.json")
     undo = install(broken, float64, job.get("accumulate", 1), kept)
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level  # --tp: the lesson's 2-D gradient norm, and the lab's gather of the
+    logger.setLevel(logging.ERROR)  # weights, take 2 collectives, and torch says so on every rank
     try:
         with open(os.path.join(out_dir, f"{name}.log"), "a") as log, redirect_stdout(log):
             lesson.main(**job)
     finally:
         undo()
+        logger.setLevel(level)
     if rank == 0 and "state" in kept:  # a run resumed at its last step trains and saves nothing
         torch.save(kept, os.path.join(out_dir, f"{name}.pt"))
 
@@ -341,7 +357,8 @@ def main(argv=None):
 
 CLAIMS_OF = {"loss-not-divided": {1}, "no-rng-restore": {2}, "rank-seeded-data": {1, 3},
              "padded-evaluation": {4}, "no-purge": {5}, "autocast-on-cuda": {6},
-             "data-by-global-rank": {7}, "no-tensor-parallel": {7}}
+             "data-by-global-rank": {7}, "no-tensor-parallel": {7},
+             "dropout-by-global-rank": {7}}
 
 
 def job(name, out_dir, steps=STEPS, every=STEPS, **settings):
@@ -377,7 +394,9 @@ def prove(broken, out_dir, wanted):
     one = on_one = tp_on_one = None
     if 7 in wanted:  # FSDP x TP: 2 copies of 12 windows, each on 2 ranks; saved at step 2
         four = spawn(4, {"fsdp-tp": job("fsdp-tp", out_dir, parallel="fsdp", tp=2, batch_size=12,
-                                        every=2)}, broken, out_dir)
+                                        every=2),
+                         "tp-dropout": job("tp-dropout", out_dir, parallel="fsdp", tp=2,
+                                           batch_size=12, dropout=0.1)}, broken, out_dir)
         shutil.copytree(os.path.join(out_dir, "fsdp-tp", "step0000002"),
                         os.path.join(out_dir, "tp-on-1", "step0000002"))
         tp_on_one = in_this_process("tp-on-1", job("tp-on-1", out_dir, parallel="fsdp",
@@ -525,10 +544,12 @@ def report(wanted, two, one, three, on_one, killed, out_dir, four, tp_on_one):
         measured.append(f"bf16 {min(bf16):.1e} to {max(bf16):.1e}")
     if 7 in wanted:
         tp, split = [gap(four["fsdp-tp"], one), gap(tp_on_one, four["fsdp-tp"])], four["fsdp-tp"]
+        apart = four["tp-dropout"]["copies_apart"]
         print(f"7. float64, --tp 2 on 4 ranks ({len(split['split'])} of {split['tensors']} "
               f"parameter tensors split over the tp ranks) against one process: {tp[0]:.1e}; its "
-              f"step-2 checkpoint resumed on 1 rank without TP: {tp[1]:.1e}")
-        passed[7] = max(tp) <= FLOAT64_TOL and len(split["split"]) > 0
+              f"step-2 checkpoint resumed on 1 rank without TP: {tp[1]:.1e}; with dropout 0.1, a "
+              f"copy's 2 ranks' whole weights {apart:.1e} apart")
+        passed[7] = max(tp) <= FLOAT64_TOL and len(split["split"]) > 0 and apart == 0.0
         measured.append(f"FSDP x TP {max(tp):.1e}")
     failed = [str(n) for n, ok in passed.items() if not ok]
     claim = ", ".join(CLAIM[n] for n in sorted(wanted))

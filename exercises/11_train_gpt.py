@@ -114,10 +114,9 @@ def upcast(logits):
 
 @torch.no_grad()
 def evaluate(model, dataset, batch_size, device, autocast, group=None):
-    """(mean loss per token, tokens counted): every validation token once, on any world size.
-    Each rank runs the same number of forwards (FSDP's forward is a collective: a rank that
-    stopped early would leave the others waiting); past its share it counts nothing. group:
-    the data-parallel ranks (--tp: the ranks of one model's copy read the same windows)."""
+    """(mean loss per token, tokens counted): every validation token once, on any number of
+    data-parallel ranks (`group`). Each runs the same number of forwards (FSDP's is a collective:
+    a rank that stopped early would leave the others waiting); past its share it counts nothing."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     mine = list(range(rank, len(dataset), world_size))
     batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)
@@ -200,8 +199,7 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
                           MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # 0: alone, no peer needs it
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend, reason = choose_backend(int(os.environ["LOCAL_WORLD_SIZE"]))
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" \
-        else torch.device("cpu")
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if backend == "nccl" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     train_set, val_set, what = make_dataset(data, context)
@@ -213,9 +211,13 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
                   parallel=parallel, steps=steps, global_batch=global_batch, precision=precision,
                   dropout=dropout, context=context, seed=seed, clip=1.0, weight_decay=0.1)
     try:  # before any rank starts collectives
-        if tp < 1 or world_size % tp or tp > 1 and (parallel != "fsdp" or net.n_head % tp):
-            raise ValueError(f"--tp {tp} needs --parallel fsdp and must divide the {world_size} "
-                             "ranks and the model's heads (each tp rank computes whole heads)")
+        for wrong, why in [(tp < 1 or world_size % tp, f"must divide the {world_size} ranks"),
+                           (tp > 1 and parallel != "fsdp", "needs --parallel fsdp"),
+                           (tp > 1 and not hasattr(net, "tensor_parallel"), "needs a method "
+                            f"{type(net).__name__}.tensor_parallel(tp_mesh), as model.py's GPT"),
+                           (tp > 1 and getattr(net, "n_head", tp) % tp, "must divide the heads")]:
+            if wrong:  # each rank of a copy computes whole heads
+                raise ValueError(f"--tp {tp} {why}")
         resume = checkpoint.find(out_dir, config, parallel)
     except (ValueError, checkpoint.BadCheckpoint) as error:  # one line, from rank 0 only,
         if rank == 0:  # and nothing overwritten
@@ -228,7 +230,6 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
         dist.all_gather_object(chosen, resume)  # every rank must read one folder: a shared disk
         if len(set(chosen)) > 1:
             raise RuntimeError(f"the ranks found different checkpoints in {out_dir}: {chosen}")
-        # rank = dp_rank * tp + tp_rank: the tp ranks of one copy read the same windows
         mesh = init_device_mesh(device.type, (dp_size, tp), mesh_dim_names=("dp", "tp"))
         dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
         if rank == 0:
@@ -302,6 +303,6 @@ if __name__ == "__main__":  # torchrun runs this file once per rank
     parser.add_argument("--batch-size", type=int, default=16, help="windows per micro-batch")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--out-dir", default="out_gpt", help="checkpoints and TensorBoard")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per model copy "
-                        "(with --parallel fsdp: 2-D)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per copy of the "
+                        "model (needs --parallel fsdp: 2-D)")
     main(**vars(parser.parse_args()))

@@ -61,7 +61,8 @@ def test_every_claim_holds_on_the_gpt():
     tp = last_line_matching(r"^7\. ", out)
     assert "20 of 36 parameter tensors split over the tp ranks" in tp, tp  # q, k, v, mlp.0: weight
     gaps = re.findall(r"\d\.\de[-+]\d\d", tp)  # and bias; proj, mlp.2: weight; in 2 blocks
-    assert len(gaps) == 2 and max(map(float, gaps)) <= 1e-10, gaps
+    assert len(gaps) == 3 and max(map(float, gaps)) <= 1e-10, gaps
+    assert tp.endswith("with dropout 0.1, a copy's 2 ranks' whole weights 0.0e+00 apart"), tp
     assert "4 ranks FSDP x TP 2 31040, 31040" in last_line_matching(r"^4\. ", out)
     assert "PROOF PASSED" in out
 
@@ -123,6 +124,19 @@ def test_rank_seeded_data_draws_other_windows_than_the_step(prove, lesson):
     two = sum((list(prove.rank_seeded_micro_batches(train_set, 1, r, 2, 1, 12, 0).sampler)
                for r in range(2)), [])
     assert sorted(two) != sorted(lesson.step_windows(len(train_set), 1, 24, 0))
+
+
+def test_dropout_seeded_by_the_global_rank_drifts_a_copys_ranks_apart_and_fails_claim_7():
+    """DDP's seed + 1 + rank under --tp: the weights a copy's two ranks both hold whole, which
+    must stay equal, drift apart with dropout (the run itself ends without a complaint)."""
+    marker = uuid.uuid4().hex
+    result = run_lesson(LAB, "--break", "dropout-by-global-rank", timeout=170, marker=marker)
+    assert not kill_leftovers(marker), "the lab left processes running"
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    line = last_line_matching(r"^7\. ", result.stdout)
+    apart = float(re.search(r"whole weights (\S+) apart", line).group(1))
+    assert apart > 1e-6, line
+    assert "PROOF FAILED: NOT every claim holds (claim 7 fails)" in result.stdout
 
 
 def test_data_by_global_rank_gives_a_copys_two_tp_ranks_different_windows(prove, lesson,
@@ -207,14 +221,37 @@ def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing
     assert run_main(prove, folder, steps=2, every=1, parallel=parallel)[2] == 2
 
 
-@pytest.mark.parametrize("settings", [dict(tp=2, parallel="fsdp"), dict(tp=2), dict(tp=0)],
-                         ids=["tp-above-the-world", "tp-without-fsdp", "tp-0"])
-def test_a_bad_tp_stops_with_one_line_before_any_rank_starts(prove, world_of_one, tmp_path,
-                                                              capsys, settings):
-    with pytest.raises(SystemExit) as stop:
+@pytest.mark.parametrize("settings, message", [
+    (dict(tp=2, parallel="fsdp"), "--tp 2 must divide the 1 ranks"),
+    (dict(tp=0, parallel="fsdp"), "--tp 0 must divide the 1 ranks"),
+    (dict(tp=1, parallel="fsdp", world=2, heads=False), None),  # no plan needed without TP
+    (dict(tp=2, world=2), "--tp 2 needs --parallel fsdp"),
+    (dict(tp=2, parallel="fsdp", world=2, heads=False), "--tp 2 needs a method "
+     "MLP.tensor_parallel(tp_mesh), as model.py's GPT"),
+    (dict(tp=4, parallel="fsdp", world=4, heads=2), "--tp 4 must divide the heads"),
+], ids=["above-the-world", "zero", "no-plan-no-tp", "without-fsdp", "a-model-without-a-plan",
+        "more-than-the-heads"])
+def test_a_bad_tp_stops_with_one_line_before_any_rank_starts(prove, lesson, world_of_one, tmp_path,
+                                                              capsys, monkeypatch, settings,
+                                                              message):
+    """Each problem its own line, from rank 0, before the process group starts; a world of more
+    than one is only pretended here (the check reads WORLD_SIZE), so nothing may get past it."""
+    settings, heads = dict(settings), settings.get("heads")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(settings.pop("world", 1)),
+                      LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    settings.pop("heads", None)
+    if heads is False:  # a model of your own, without the plan or heads
+        monkeypatch.setattr(lesson, "make_model", lambda *a: type("MLP", (torch.nn.Linear,), {})(2, 2))
+    elif heads:
+        monkeypatch.setattr(lesson, "make_model", lambda *a: lesson.GPT(n_head=heads))
+    monkeypatch.setattr(lesson, "init_distributed", lambda *a: pytest.fail("the check let it by"))
+    with pytest.raises((SystemExit, pytest.fail.Exception)) as stop:
         run_main(prove, tmp_path / "run", steps=1, **settings)
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and f"--tp {settings['tp']} needs --parallel fsdp" in err, err
+    if message is None:  # passed the check: it went on to start the process group
+        assert stop.type is pytest.fail.Exception and not err, err
+        return
+    assert stop.type is SystemExit and stop.value.code == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
