@@ -13,9 +13,11 @@ script stays self-contained, so a reader can copy it alone.
     hard_kill(pid), hard_killed()     kill at once (SIGKILL; TerminateProcess on Windows), in words
     platform_name()                   Linux, macOS or Windows, for a line that refuses
     load_lesson(path)                 another lesson's script as a module: a lab's reference
+    quiet_logger(name)                only errors from a logger while inside: a known, harmless line
 """
 import contextlib
 import importlib.util
+import logging
 import multiprocessing
 import os
 import platform
@@ -217,6 +219,19 @@ def hard_kill(pid):
 def hard_killed():
     """hard_kill in words: "SIGKILLed" (Linux, macOS) or "killed by TerminateProcess" (Windows)."""
     return "SIGKILLed" if hasattr(signal, "SIGKILL") else "killed by TerminateProcess"
+
+
+@contextlib.contextmanager
+def quiet_logger(name):
+    """Only errors from logger `name` inside the block: a line torch logs on every rank that the
+    lab knows is harmless. setLevel, not `.level =`: it also clears the logger's cached levels."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def max_abs_diff(state_a, state_b):

@@ -26,7 +26,6 @@ import datetime
 import functools
 import inspect
 import io
-import logging
 import math
 import os
 import sys
@@ -142,13 +141,10 @@ def measure_step(model, loader, device):
 
 def whole(model):
     """Every parameter whole, on the CPU (EVERY rank calls it: DTensors are gathered)."""
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
-    level, logger.level = logger.level, logging.ERROR  # a 2-D DTensor is gathered one dimension
-    try:  # after the other, and says so on every rank: once, for the lab's check, that is fine
+    # a 2-D DTensor is gathered one dimension after the other, and torch says so on every rank:
+    with course.quiet_logger("torch.distributed.tensor._redistribute"):  # for the check: fine
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
                 for n, p in model.named_parameters()}
-    finally:
-        logger.setLevel(level)
 
 
 def measuring(train, kept):

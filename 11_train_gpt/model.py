@@ -2,7 +2,8 @@
 
 Replace it with your own model: train_gpt.py needs only `make_model()` to return an nn.Module whose
 forward maps a batch of inputs to logits, and (for FSDP) a list of blocks to shard one by one, and
-(for --tp) `n_head` and a method `tensor_parallel(tp_mesh)`, the plan that splits the blocks.
+(for --tp) a method `tensor_parallel(tp_mesh)`, the plan that splits the blocks (and, if it has
+`n_head`, train_gpt.py checks that --tp divides it).
 """
 import math
 

@@ -119,10 +119,7 @@ def install(broken, float64, accumulate, kept):
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                          cpu_offload=True))
             kept["state"] = {k: v.detach().clone() for k, v in state.items()}
-            kept["split"] = [name for name, p in model.named_parameters() if any(  # over tp
-                d == "tp" and placement.is_shard() for d, placement in zip(getattr(
-                    p, "device_mesh", None) and p.device_mesh.mesh_dim_names or (),
-                    getattr(p, "placements", ())))]
+            kept["split"] = [name for name, p in model.named_parameters() if split_over_tp(p)]
             kept["tensors"] = len(list(model.parameters()))
             if kept.get("tp", 1) > 1:  # what a copy's ranks both hold whole must stay equal
                 kept["copies_apart"] = copies_apart(model, kept["split"], kept["tp"])
@@ -169,6 +166,13 @@ def install(broken, float64, accumulate, kept):
             setattr(lesson, name, value)
         torch.set_rng_state, lesson.checkpoint.save = saved_rng, saved_save
     return undo
+
+
+def split_over_tp(parameter):
+    """Whether a parameter is a DTensor sharded along its mesh's dimension named "tp"."""
+    names = getattr(getattr(parameter, "device_mesh", None), "mesh_dim_names", None) or ()
+    return any(name == "tp" and placement.is_shard()
+               for name, placement in zip(names, getattr(parameter, "placements", ())))
 
 
 def copies_apart(model, split, tp):
@@ -234,15 +238,14 @@ def run_one(name, job, broken, out_dir, rank=0):
     if job.pop("profile", False):
         kept["profile"] = os.path.join(out_dir, f"trace-rank{rank}.json")
     undo = install(broken, float64, job.get("accumulate", 1), kept)
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = logger.level  # --tp: the lesson's 2-D gradient norm, and the lab's gather of the
-    logger.setLevel(logging.ERROR)  # weights, take 2 collectives, and torch says so on every rank
+    # --tp: the lesson's 2-D gradient norm, and the lab's gather of the weights, take 2
+    # collectives, and torch says so on every rank
+    quiet = course.quiet_logger("torch.distributed.tensor._redistribute")
     try:
-        with open(os.path.join(out_dir, f"{name}.log"), "a") as log, redirect_stdout(log):
+        with open(os.path.join(out_dir, f"{name}.log"), "a") as log, redirect_stdout(log), quiet:
             lesson.main(**job)
     finally:
         undo()
-        logger.setLevel(level)
     if rank == 0 and "state" in kept:  # a run resumed at its last step trains and saves nothing
         torch.save(kept, os.path.join(out_dir, f"{name}.pt"))
 
