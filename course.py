@@ -14,6 +14,12 @@ script stays self-contained, so a reader can copy it alone.
     platform_name()                   Linux, macOS or Windows, for a line that refuses
     load_lesson(path)                 another lesson's script as a module: a lab's reference
     quiet_logger(name)                only errors from a logger while inside: a known, harmless line
+    report_cause(cause) / report_unknown(measured) / diagnose(candidates, measured)
+                                      the line a failure ends with: LIKELY CAUSE: ..., or cause
+                                      unknown: what was measured
+    lesson_line(path, text)           "name.py line N": the course's line a learner compares with
+    run_lab(main)                     a lab's entry point: never a traceback in the lab's own code
+                                      because of a learner's file (one line instead)
 """
 import contextlib
 import importlib.util
@@ -262,3 +268,76 @@ def hardware():
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{cpu}, {cores} cores{', ' + ', '.join(gpus) if gpus else ', no GPU'}, torch {torch.__version__}"
+
+
+# ------------------------------------------------------------------------------- diagnosis
+def report_cause(cause, file=None):
+    """The line a failure ends with, when the measurements fit a known mistake: `LIKELY CAUSE:
+    what the mistake is: what was measured that shows it; the fix (the lesson's line to compare)`.
+    'Likely': it is read from what the run did, never from the learner's source text."""
+    print(f"LIKELY CAUSE: {cause}", file=file or sys.stdout, flush=True)
+    return f"LIKELY CAUSE: {cause}"
+
+
+def report_unknown(measured, file=None):
+    """The line a failure ends with when no known mistake fits: what was measured, so that the
+    learner starts from facts (`cause unknown: the ranks agree; they leave one process at step 3,
+    first in layer 0.weight`)."""
+    print(f"cause unknown: {measured}", file=file or sys.stdout, flush=True)
+    return f"cause unknown: {measured}"
+
+
+def diagnose(candidates, measured, file=None):
+    """candidates: (fits, cause) pairs, the most specific first; prints the first cause that fits
+    (report_cause), else report_unknown(measured). Returns the line printed."""
+    for fits, cause in candidates:
+        if fits:
+            return report_cause(cause, file)
+    return report_unknown(measured, file)
+
+
+def lesson_line(path, text):
+    """`name.py line N`: the first line of the course's own file at `path` (from the repository
+    root) that contains `text`, the line a learner compares theirs with. The course's file, not
+    the learner's: a diagnosis never reads the learner's source."""
+    full = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    with open(full) as f:
+        number = next((n for n, line in enumerate(f, 1) if text in line), None)
+    return f"{os.path.basename(path)} line {number}" if number else os.path.basename(path)
+
+
+def learner_frame(frames, path=None):
+    """The innermost of `frames` (traceback.FrameSummary or (file, line, function) triples) in the
+    learner's file (COURSE_LESSON, or `path`): (file name, line, function), or None."""
+    path = os.path.abspath(path or os.environ.get("COURSE_LESSON") or "")
+    found = None
+    for frame in frames:
+        name, line, function = (frame.filename, frame.lineno, frame.name) if hasattr(
+            frame, "filename") else frame
+        if path and os.path.abspath(name) == path:
+            found = (os.path.basename(name), line, function)
+    return found
+
+
+def run_lab(main, argv=None):
+    """A lab's entry point: `sys.exit(course.run_lab(main))`. An exception that escapes the lab
+    while it grades a learner's file (--lesson) is one line, not a traceback in the lab's code:
+    where the learner's file raised, or which of its answers the lab could not use. Grading the
+    course's own lesson, a traceback is a bug of the course and is shown whole."""
+    try:
+        return main(argv)
+    except Exception as error:
+        if not os.environ.get("COURSE_LESSON"):
+            raise
+        frames = traceback.extract_tb(error.__traceback__)
+        mine = learner_frame(frames)
+        what = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if mine:
+            cause = (f"your file raised {what} ({mine[0]} line {mine[1]}, in {mine[2]}): fix it "
+                     f"there")
+        else:
+            lab = frames[-1]
+            cause = (f"the lab could not use what your file's functions returned: {what} (in the "
+                     f"lab's {lab.name}); compare their return values with the lesson's")
+        report_cause(cause, sys.stderr)
+        return 1
