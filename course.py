@@ -22,6 +22,7 @@ script stays self-contained, so a reader can copy it alone.
                                       because of a learner's file (one line instead)
 """
 import contextlib
+import faulthandler
 import importlib.util
 import logging
 import multiprocessing
@@ -31,6 +32,8 @@ import random
 import signal
 import socket
 import sys
+import tempfile
+import time
 import traceback
 
 import torch
@@ -165,10 +168,12 @@ def start_method():
 START_METHOD = start_method()
 
 
-def as_a_fresh_process(rank, fn, *args):
+def as_a_fresh_process(rank, fn, stack_folder, *args):
     """Forked ranks would all inherit the server's RNG state; a process that mp.spawn starts seeds
     torch and `random` afresh (each rank differently). Do the same, or the labs would hide the bug
-    of data drawn from the global RNG before any seed."""
+    of data drawn from the global RNG before any seed. And SIGUSR1 dumps this rank's stacks (a
+    hang's report)."""
+    dump_stacks_on_signal(stack_folder, rank)
     torch.seed()
     random.seed()
     return fn(rank, *args)
@@ -176,15 +181,22 @@ def as_a_fresh_process(rank, fn, *args):
 
 def spawn_or_fail(fn, args, nprocs):
     """mp.spawn's job, through the forkserver (Linux), each rank seeded as a fresh process; a
-    failed rank is RUN FAILED (stderr) and exit 1, and the other ranks have been stopped."""
+    failed rank is RUN FAILED (stderr) and exit 1, and the other ranks have been stopped; a hang
+    (every live rank idle for STALL_SECONDS) is named, rank by rank, and stopped the same way."""
     if START_METHOD == "forkserver":
         multiprocessing.set_forkserver_preload(["__main__", "torch._dynamo"])
-    try:
-        mp.start_processes(as_a_fresh_process, args=(fn, *args), nprocs=nprocs, join=True,
-                           start_method=START_METHOD)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        print(f"\nRUN FAILED: a rank stopped with an error, so every rank was stopped.\n{e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    with tempfile.TemporaryDirectory(prefix="course-stacks-") as stacks:
+        context = mp.start_processes(as_a_fresh_process, args=(fn, stacks, *args), nprocs=nprocs,
+                                     join=False, start_method=START_METHOD)
+        try:
+            join_watching(context, stacks)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            print(f"\nRUN FAILED: a rank stopped with an error, so every rank was stopped.\n{e}",
+                  file=sys.stderr, flush=True)
+            cause = cause_of_rank_error(str(e))
+            if cause:
+                report_cause(cause, sys.stderr)
+            raise SystemExit(1) from None
 
 
 def refuse_bad_crash_rank(crash_rank, ranks, steps=None):
@@ -341,3 +353,165 @@ def run_lab(main, argv=None):
                      f"lab's {lab.name}); compare their return values with the lesson's")
         report_cause(cause, sys.stderr)
         return 1
+
+
+# ------------------------------------------------------------------------------- hangs
+def join_watching(context, stacks):
+    """context.join() (mp.start_processes, join=False) until every rank is done, raising as join()
+    does on a failed rank; a hang (HangWatch) kills the ranks, prints RUN FAILED naming where each
+    one waits and the likely cause, and exits 1. `stacks`: the folder the ranks dump stacks to."""
+    watch = HangWatch(stacks)
+    while not context.join(timeout=0.5):
+        pids = {r: p.pid for r, p in enumerate(context.processes) if p.is_alive()}
+        if watch.stalled(pids):
+            exited = {r: p.exitcode for r, p in enumerate(context.processes) if r not in pids}
+            report, cause = watch.name_the_hang(pids, exited)
+            for p in context.processes:
+                if p.is_alive():
+                    hard_kill(p.pid)
+            print(f"\nRUN FAILED: {report}", file=sys.stderr, flush=True)
+            report_cause(cause, sys.stderr)
+            raise SystemExit(1)
+
+
+STALL_SECONDS = 10  # every live rank this long without using the CPU: a hang, not a slow run
+
+
+def dump_stacks_on_signal(folder, rank):
+    """In a rank: SIGUSR1 writes every thread's Python stack to folder/stack-rank{rank}.txt
+    (faulthandler: it works while the rank is blocked inside a collective's C++ wait). Linux and
+    macOS; Windows has no SIGUSR1 (there a hang ends at the group's timeout, unnamed)."""
+    if folder and hasattr(signal, "SIGUSR1"):
+        stream = open(os.path.join(folder, f"stack-rank{rank}.txt"), "w")
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+        _STACK_FILES.append(stream)  # kept open as long as the process lives
+
+
+_STACK_FILES = []
+
+
+def cpu_seconds(pid):
+    """User + system CPU seconds a process (all its threads) has used; None if it is gone or the
+    system has no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class HangWatch:
+    """A hang, measured: every live rank has used (almost) no CPU for `stall` seconds, so each one
+    waits, and none for another that is working. A slow run always has a rank that computes.
+    Then name_the_hang() asks each rank for its stacks and says where each one waits."""
+
+    def __init__(self, stack_folder, stall=STALL_SECONDS):
+        self.folder, self.stall, self.seen = stack_folder, stall, {}
+
+    def stalled(self, pids):
+        now = time.monotonic()
+        used = {rank: cpu_seconds(pid) for rank, pid in pids.items()}
+        if not pids or any(v is None for v in used.values()):
+            self.seen = {}
+            return False
+        if set(self.seen) != set(used) or any(used[r] - self.seen[r][1] > 0.02 * self.stall
+                                             for r in used):
+            self.seen = {r: (now, used[r]) for r in used}  # someone works: start again
+            return False
+        return now - min(t for t, _ in self.seen.values()) >= self.stall
+
+    def name_the_hang(self, pids, exited):
+        """(the report, the likely cause): each rank's collective and line, from its stacks."""
+        for pid in pids.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+        waits = {}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(waits) < len(pids):
+            time.sleep(0.2)
+            for rank in pids:
+                with contextlib.suppress(OSError):
+                    text = open(os.path.join(self.folder, f"stack-rank{rank}.txt")).read()
+                    if text.strip():
+                        waits[rank] = where_it_waits(text)
+        parts = []
+        for rank in sorted(set(pids) | set(exited)):
+            if rank in exited:
+                parts.append(f"rank {rank} had finished (exit code {exited[rank]})")
+            elif rank in waits:
+                collective, line = waits[rank]
+                parts.append(f"rank {rank} waits in {collective}" + (f" at {line}" if line else ""))
+            else:
+                parts.append(f"rank {rank} waits (its stack could not be read)")
+        report = (f"the run hung: no rank used the CPU for {self.stall} s, and was stopped; "
+                  + "; ".join(parts))
+        named = {waits[r][0] for r in waits}
+        if exited and pids:
+            cause = (f"rank(s) {', '.join(map(str, sorted(pids)))} wait in a collective that "
+                     f"rank(s) {', '.join(map(str, sorted(exited)))} never called: every rank must "
+                     "call every collective (one inside `if rank == 0` is the usual slip)")
+        elif len(named) > 1:
+            cause = ("the ranks wait in different collectives ("
+                     + ", ".join(f"rank {r}: {waits[r][0]}" for r in sorted(waits))
+                     + "): every rank must call the same collectives in the same order (one "
+                       "inside `if rank == 0` is the usual slip)")
+        elif pids and not named - {"init_process_group()"}:
+            cause = ("every rank waits to join the process group: a rank that never connects, "
+                     "or ranks told different addresses, ports or world sizes")
+        else:
+            cause = None
+        return report, cause or (f"every rank waits in {', '.join(sorted(named)) or 'a wait'}: "
+                                 "a rank called it once more than the others, or with another "
+                                 "size or group")
+
+
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+COURSE_FILES = {os.path.abspath(__file__)}
+
+
+def where_it_waits(stacks):
+    """(the collective, "file line N (function)" of the innermost frame of the lesson or the
+    learner's file) from a faulthandler dump: the thread that runs the rank's function."""
+    threads = [block for block in stacks.split("\n\n") if "File " in block]
+    main = next((b for b in threads if "as_a_fresh_process" in b or "_wrap" in b),
+                threads[-1] if threads else "")
+    frames = [(m[0], int(m[1]), m[2]) for m in
+              __import__("re").findall(r'File "([^"]+)", line (\d+) in (\S+)', main)]
+    # faulthandler lists the most recent call first
+    collective = next((f"{name}()" for path, _, name in frames
+                       if path.startswith(TORCH_DIR) and "distributed" in path
+                       and not name.startswith("_") and name not in ("wrapper",)), None)
+    if collective is None and any(path.startswith(TORCH_DIR) and "autograd" in path
+                                  for path, _, _ in frames):
+        collective = "backward() (where DDP all-reduces the gradients)"
+    theirs = learner_frame(list(reversed(frames)))
+    if theirs is None:  # the course's own lesson: the innermost frame outside torch and the lab
+        theirs = next(((os.path.basename(p), n, f) for p, n, f in frames
+                       if not p.startswith(TORCH_DIR) and p not in COURSE_FILES
+                       and "/lib/python" not in p and not os.path.basename(p).startswith("prove")),
+                      None)
+    line = f"{theirs[0]} line {theirs[1]} ({theirs[2]})" if theirs else None
+    return collective or "a wait outside torch.distributed", line
+
+
+def cause_of_rank_error(text):
+    """A failed rank's traceback (mp.spawn's text) in one line: where the learner's file raised
+    (grading --lesson), or None. A planned --crash-rank needs no cause."""
+    if "crashed on purpose" in text or not os.environ.get("COURSE_LESSON"):
+        return None
+    import re
+    rank = re.search(r"Process (\d+) terminated", text)
+    frames = [(m[0], int(m[1]), m[2]) for m in
+              re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)]
+    error = [line for line in text.strip().splitlines() if line and not line.startswith(" ")]
+    what = error[-1] if error else "an error"
+    mine = learner_frame(frames)
+    who = f"rank {rank[1]}" if rank else "a rank"
+    if "Timed out" in what or "Connection closed by peer" in what:
+        where = f" at {mine[0]} line {mine[1]} ({mine[2]})" if mine else ""
+        return (f"{who} waited in a collective{where} that another rank never joined, until the "
+                "process group's timeout: every rank must call the same collectives in order")
+    if mine:
+        return f"{who} raised {what} in your file ({mine[0]} line {mine[1]}, in {mine[2]}): fix it there"
+    return None

@@ -166,6 +166,7 @@ def recording(evaluate, log, steps):
 def lab_worker(rank, world_size, port, backend, epochs, folder, resume, out_dir, run, broken,
                kill_step, kill_rank, crash_rank, timeout):
     """Runs the lesson's worker unchanged (but for --break) and keeps what it returns in a file."""
+    course.dump_stacks_on_signal(out_dir, rank)  # a hang's report: where this rank waits
     if broken == "loader-global-rng":
         lesson.DataLoader = LoaderOnGlobalRNG
     if broken == "padded-eval":
@@ -224,12 +225,14 @@ def spawn(run, args, backend, out_dir, folder, resume=None, kill=None, crash_ran
     if kill is not None:  # join() stopping the surviving rank is the plan: no warning about it
         spawn_log.setLevel(logging.ERROR)
     try:
-        while not context.join():
-            pass
+        course.join_watching(context, out_dir)
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         if kill is None:
             print(f"\nRUN FAILED: a rank stopped with an error, so every rank was stopped.\n{e}",
                   file=sys.stderr)
+            cause = course.cause_of_rank_error(str(e))
+            if cause:
+                course.report_cause(cause, sys.stderr)
             raise SystemExit(1) from None
     finally:
         spawn_log.setLevel(level)
