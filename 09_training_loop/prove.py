@@ -81,8 +81,9 @@ class Counter:
     """Counts, per optimizer step, the all-reduces (DDP comm hook calls) of each micro-batch."""
 
     def __init__(self):
-        self.current, self.steps = [], []
-        self.handle = register_optimizer_step_post_hook(lambda *_: self.close_step())
+        self.current, self.steps, self.weights = [], [], []
+        self.handle = register_optimizer_step_post_hook(lambda optimizer, *_: self.close_step(
+            optimizer))
 
     def make_ddp(self, module, **kwargs):
         """Stands in for the lesson's DDP: the same wrapper, with a counting comm hook."""
@@ -95,9 +96,12 @@ class Counter:
         model.register_comm_hook(None, counting_hook)
         return model
 
-    def close_step(self):
+    def close_step(self, optimizer):
+        """Keeps the step's all-reduce counts and the weights it ended with (for the diagnosis)."""
         self.steps.append(self.current)
         self.current = []
+        self.weights.append([p.detach().clone() for group in optimizer.param_groups
+                             for p in group["params"]])
 
 
 class UnevenSampler(DistributedSampler):
@@ -158,6 +162,7 @@ def lab_worker(rank, world_size, ports, backend, epochs, accumulate, out_dir, br
                                          model.state_dict().items()}, "norms": norms,
                                "seconds": train_seconds[-1]}
             kept.setdefault("counts", list(counter.steps))
+            kept.setdefault("steps", list(counter.weights))
         if broken:
             raise StopIteration
         lesson.DistributedSampler = lambda *a, **k: UnevenSampler(*a, short_by=accumulate * BATCH,
@@ -259,8 +264,9 @@ def global_batches(world_size, accumulate, epoch):
         yield [i for order in orders for i in order[start:start + step]]
 
 
-def train_reference(world_size, epochs, accumulate):
-    """One process, one batch of N*K*B a step, the same clipping and SGD: (weights, norms)."""
+def train_reference(world_size, epochs, accumulate, steps=None):
+    """One process, one batch of N*K*B a step, the same clipping and SGD: (weights, norms);
+    `steps`, a list, gets the parameters after each step."""
     x, y = lesson.make_dataset().tensors
     model = lesson.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -271,6 +277,8 @@ def train_reference(world_size, epochs, accumulate):
             nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
             norms.append(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
             optimizer.step()
+            if steps is not None:
+                steps.append([p.detach().clone() for p in model.parameters()])
     return model.state_dict(), norms
 
 
@@ -386,7 +394,8 @@ def main(argv=None):
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
                  for r in range(n)]
         events = sorted(os.listdir(os.path.join(out_dir, "tensorboard")))
-    reference, reference_norms = train_reference(n, args.epochs, k)
+    reference_steps = []
+    reference, reference_norms = train_reference(n, args.epochs, k, reference_steps)
     print(f"all parts took {seconds:.1f} s on {course.hardware()}")
 
     # 1. accumulation
@@ -418,9 +427,67 @@ def main(argv=None):
         claim += "uneven ranks " + ("hang without Join, finish with it; " if uneven else
                                     "NOT handled as expected; ")
     claim += f"{'all' if logged else 'NOT all'} scalars logged"
-    return course.report_proof(passed, claim, f"max |dw| against one process {vs_single:.1e}, "
+    code = course.report_proof(passed, claim, f"max |dw| against one process {vs_single:.1e}, "
                                f"clip norms {between:.1e}", f"{TOLERANCE:.0e}")
+    if not passed:
+        likely_cause(ranks, reference_steps, reference_norms, n, k, args.epochs, args.broken,
+                     logged)
+    return code
+
+
+def where_it_leaves(steps, reference_steps, names):
+    """(first step, 1-based, whose weights leave the reference by more than TOLERANCE, and the
+    first parameter there), or (None, None)."""
+    for s, (mine, theirs) in enumerate(zip(steps, reference_steps), 1):
+        for name, a, b in zip(names, mine, theirs):
+            if (a.double() - b.double()).abs().max().item() > TOLERANCE:
+                return s, name
+    return None, None
+
+
+def likely_cause(ranks, reference_steps, reference_norms, n, k, epochs, broken, logged):
+    """The last line of a failure: which typical mistake the measurements fit (never read from
+    the learner's source), or what was measured."""
+    where = lambda text: course.lesson_line("09_training_loop/training_loop.py", text)  # noqa
+    fp32, counts = ranks[0]["fp32"], ranks[0]["counts"]
+    names = list(fp32["state"])
+    ratio = fp32["norms"][0] / reference_norms[0]
+    agree = max(course.max_abs_diff(fp32["state"], r["fp32"]["state"]) for r in ranks)
+    step, name = where_it_leaves(ranks[0]["steps"], reference_steps, names)
+    per_epoch = len(reference_steps) // epochs
+    every = any(any(c[:-1]) for c in counts)
+    joined = [r.get("join") for r in ranks]
+    join_failed = not broken and not all(isinstance(j, dict) for j in joined)
+    said = next((j for j in joined if isinstance(j, str)), "")
+    measured = (f"the ranks {'agree' if agree == 0.0 else f'differ by {agree:.1e}'}; "
+                + (f"they leave one process at step {step}, first in {name}" if step else
+                   "their weights equal one process's at every step")
+                + f"; the first step's gradient norm is {ratio:.2f} times one process's; "
+                f"all-reduces per micro-batch {counts[0] if counts else 'none counted'}")
+    course.diagnose([
+        (k > 1 and abs(ratio - k) < 0.02 * k,
+         f"the loss is not divided by the K = {k} micro-batches: the first step's gradient norm "
+         f"is {ratio:.2f} times one process's; backpropagate loss / K ({where('(loss / k).backward()')})"),
+        (abs(ratio * n - 1) < 0.02 and n > 1,
+         f"the loss is divided by the world size too: the first step's gradient norm is "
+         f"{ratio:.2f} times one process's (1/{n}); DDP already averages over the ranks: "
+         f"backpropagate loss / K only ({where('(loss / k).backward()')})"),
+        (k > 1 and every,
+         f"every micro-batch all-reduces: {counts[0]} all-reduces per micro-batch, where no_sync "
+         f"gives {[0] * (k - 1) + [max(counts[0])]}; run the forward and backward of the first "
+         f"K-1 micro-batches under model.no_sync() ({where('model.no_sync()')})"),
+        (step is not None and step == per_epoch + 1 and abs(ratio - 1) < 1e-4,
+         f"every epoch repeats the first shuffle: the weights equal one process's through epoch "
+         f"0 and leave it at step {step}, the first of epoch 1; call "
+         f"loader.sampler.set_epoch(epoch) ({where('set_epoch(epoch)')})"),
+        (join_failed and step is None,
+         f"a rank one step short stopped the run with Join: {said[:120]}; wrap the loop in "
+         f"Join([model]) ({where('with Join([model])')})"),
+        (not logged and step is None,
+         f"rank 0 logged {', '.join(ranks[0]['tags']) or 'no scalar'}: not step/grad_norm, "
+         f"step/lr, epoch/loss and epoch/accuracy ({where('writer.add_scalar(')})"),
+    ], measured)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

@@ -12,6 +12,7 @@ import uuid
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import (REPO, assert_crashed_rank_stops_the_run, assert_help_in_process,
@@ -67,6 +68,10 @@ def test_accumulating_without_scaling_the_loss_fails_the_proof():
     passed, vs_single, between = proof(result.stdout)
     assert not passed and vs_single > 1e-3
     assert between == 0.0, "the ranks still agree with each other: all took the same wrong step"
+    assert result.stdout.splitlines()[-1] == (
+        "LIKELY CAUSE: the loss is not divided by the K = 2 micro-batches: the first step's "
+        "gradient norm is 2.00 times one process's; backpropagate loss / K (training_loop.py "
+        "line 51)")
 
 
 def test_a_crashed_rank_stops_the_run(lesson):
@@ -122,21 +127,37 @@ class TestTheLessonCopiedAlone:
 
 # --- in this process: the lesson's worker in a world of one rank ---------------------------------
 
-def run_worker(prove, accumulate=2, precision="fp32", epochs=1, train_step=None):
-    """lesson.worker as rank 0 of 1 here, with the lab's counting DDP; (model, norms, counts)."""
+def run_worker(prove, accumulate=2, precision="fp32", epochs=1, train_step=None, sampler=None,
+               kept=None):
+    """lesson.worker as rank 0 of 1 here, with the lab's counting DDP; (model, norms, counts);
+    `kept`, a dict, gets what lab_worker keeps for the diagnosis."""
     lesson, threads = prove.lesson, torch.get_num_threads()
     counter = prove.Counter()
-    saved = lesson.DDP, lesson.train_step
+    saved = lesson.DDP, lesson.train_step, lesson.DistributedSampler
     lesson.DDP, lesson.train_step = counter.make_ddp, train_step or lesson.train_step
+    lesson.DistributedSampler = sampler or lesson.DistributedSampler
     try:
         model, norms = lesson.worker(0, 1, prove.course.find_free_port(), "gloo", epochs,
                                      accumulate, precision, None, timeout=30)
     finally:
-        lesson.DDP, lesson.train_step = saved
+        lesson.DDP, lesson.train_step, lesson.DistributedSampler = saved
         counter.handle.remove()
         torch.set_num_threads(threads)
     assert not dist.is_initialized(), "the worker destroys its process group"
+    if kept is not None:
+        kept.update(fp32={"state": model.state_dict(), "norms": norms}, join={},
+                    counts=counter.steps[:len(norms)], steps=counter.weights[:len(norms)],
+                    tags=["epoch/accuracy", "epoch/loss", "step/grad_norm", "step/lr"])
     return model.state_dict(), norms, counter.steps[:len(norms)]
+
+
+def cause_of(prove, capsys, kept, accumulate, epochs=1, broken=None):
+    """The lab's last line for what run_worker kept (a world of one against one process)."""
+    steps = []
+    _, norms = prove.train_reference(1, epochs, accumulate, steps)
+    capsys.readouterr()
+    prove.likely_cause([kept], steps, norms, 1, accumulate, epochs, broken, True)
+    return capsys.readouterr().out.strip()
 
 
 def test_k_micro_batches_equal_one_batch_of_k_and_all_reduce_once(prove):
@@ -148,14 +169,42 @@ def test_k_micro_batches_equal_one_batch_of_k_and_all_reduce_once(prove):
 
 
 @pytest.mark.parametrize("broken", ["no-loss-scaling", "sync-every-micro-batch"])
-def test_each_break_changes_what_it_claims_to(prove, broken):
-    state, _, counts = run_worker(prove, accumulate=4, train_step=prove.broken_train_step(broken))
+def test_each_break_changes_what_it_claims_to_and_is_named(prove, capsys, broken):
+    kept = {}
+    state, _, counts = run_worker(prove, accumulate=4, train_step=prove.broken_train_step(broken),
+                                  kept=kept)
     reference, _ = prove.train_reference(1, 1, 4)
+    cause = cause_of(prove, capsys, kept, 4, broken=broken)
     if broken == "no-loss-scaling":
         assert prove.course.max_abs_diff(state, reference) > 1e-3 and counts == [[0, 0, 0, 1]] * 4
+        assert cause.startswith("LIKELY CAUSE: the loss is not divided by the K = 4 micro-batches: "
+                                "the first step's gradient norm is 4.00 times"), cause
     else:  # the same weights (an all-reduce is linear), but 4 all-reduces a step
         assert prove.course.max_abs_diff(state, reference) <= TOLERANCE
         assert counts == [[1, 1, 1, 1]] * 4
+        assert cause == (
+            "LIKELY CAUSE: every micro-batch all-reduces: [1, 1, 1, 1] all-reduces per "
+            "micro-batch, where no_sync gives [0, 0, 0, 1]; run the forward and backward of the "
+            "first K-1 micro-batches under model.no_sync() (training_loop.py line 47)")
+
+
+class NoSetEpoch(DistributedSampler):
+    def set_epoch(self, epoch):  # the mistake: every epoch the first shuffle
+        pass
+
+
+def test_a_loop_without_set_epoch_is_named_and_a_good_run_is_unknown(prove, capsys):
+    kept = {}
+    run_worker(prove, accumulate=4, epochs=2, sampler=NoSetEpoch, kept=kept)
+    assert cause_of(prove, capsys, kept, 4, epochs=2) == (
+        "LIKELY CAUSE: every epoch repeats the first shuffle: the weights equal one process's "
+        "through epoch 0 and leave it at step 5, the first of epoch 1; call "
+        "loader.sampler.set_epoch(epoch) (training_loop.py line 62)")
+    run_worker(prove, accumulate=4, kept=kept)  # no known mistake: what was measured, no cause
+    assert cause_of(prove, capsys, kept, 4) == (
+        "cause unknown: the ranks agree; their weights equal one process's at every step; the "
+        "first step's gradient norm is 1.00 times one process's; all-reduces per micro-batch "
+        "[0, 0, 0, 1]")
 
 
 def test_no_sync_around_backward_only_still_all_reduces(prove):
