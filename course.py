@@ -141,13 +141,23 @@ def find_free_port():
 
 
 def find_free_ports(count):
-    """`count` different ports, free now, below 32768. Not bind-to-0's: the OS hands ports from its
-    own range (32768 and up on Linux, 49152 on macOS and Windows) to every bind to 0 and every
-    outgoing connection, so a port it gave us and we closed can go to another process in the seconds
-    before rank 0 binds it (CI saw it: EADDRINUSE). Below that range nobody gets ours by chance."""
+    """`count` different ports, free now, outside the range the OS hands out by itself. Not
+    bind-to-0's: the OS hands ports from its own range to every bind to 0 and every outgoing
+    connection, so a port it gave us and we closed can go to another process in the seconds before
+    rank 0 binds it (CI saw it: EADDRINUSE). Outside that range nobody gets ours by chance. Linux
+    says its range in ip_local_port_range (32768-60999 by default; servers often widen it, to
+    1024-65535 say): we draw from the 12,768 ports below it, else above it; when it spans every
+    port, from 20000-32767, with the race. Elsewhere (macOS, Windows: 49152 and up by default) and
+    where the file cannot be read, below 32768."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 65535
+    pool = range(max(1024, low - 12768), low) or range(high + 1, 65536) or range(20000, 32768)
     ports = []
     while len(ports) < count:
-        port = random.randint(20000, 32767)
+        port = random.choice(pool)
         with contextlib.suppress(OSError), socket.socket() as s:  # OSError: in use, try another
             s.bind(("", port))
             if port not in ports:

@@ -60,7 +60,8 @@ def check_packages():
 
 
 def free_port():
-    """Free now, below 32768: the OS hands out none there itself (02_ddp_spawn/NOTES.md)."""
+    """Free now, below 32768: with the default range the OS hands out none there itself
+    (02_ddp_spawn/NOTES.md)."""
     while True:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:

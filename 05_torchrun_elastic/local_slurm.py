@@ -31,8 +31,9 @@ DAEMONS = ["slurmctld", "slurmd", "munged", "sbatch", "scontrol"]
 
 
 def free_ports(count):
-    """Different ports nobody listens on now, below 32768, where the OS hands out none by itself:
-    a port from bind-to-0, closed, can go to another process before the daemon binds it."""
+    """Different ports nobody listens on now, below 32768, where the OS hands out none by itself
+    with the default range (02's NOTES.md): a port from bind-to-0, closed, can go to another process
+    before the daemon binds it."""
     ports = []
     while len(ports) < count:
         port = random.randint(20000, 32767)

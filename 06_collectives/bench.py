@@ -40,7 +40,7 @@ DDP_TIMERS = ("forward_compute_time", "backward_compute_time", "backward_comm_ti
 # isend/irecv posted apart and a reusable receive buffer. The lesson's ring now posts each step as one
 # batch_isend_irecv and allocates its buffer per call: it was not timed here.
 
-def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+def find_free_port():  # free now; below 32768 the OS hands none out by default (02's NOTES.md)
     while True:
         with socket.socket() as s:  # connecting refused: nobody listens there
             if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:

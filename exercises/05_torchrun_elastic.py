@@ -143,7 +143,7 @@ def choose_backend(world_size):
 #     is 'True' (torchrun's own store, which outlives a restart), wrap it in a PrefixStore named
 #     after TORCHELASTIC_RESTART_COUNT; init_process_group with that store, the timeout, and
 #     device_id on a GPU
-def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+def find_free_port():  # free now; below 32768 the OS hands none out by default (02's NOTES.md)
     while True:
         with socket.socket() as s:  # connecting refused: nobody listens there
             if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:

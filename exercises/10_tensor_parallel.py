@@ -130,7 +130,7 @@ def choose_backend(world_size):
     return "gloo", "no GPU visible" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
 
 
-def find_free_port():  # free now, below 32768: the OS hands none out itself (02's NOTES.md)
+def find_free_port():  # free now; below 32768 the OS hands none out by default (02's NOTES.md)
     while True:
         with socket.socket() as s:  # connecting refused: nobody listens there
             if s.connect_ex(("127.0.0.1", port := random.randint(20000, 32767))) != 0:
