@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # noqa: 
                                                      set_model_state_dict)
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import course  # noqa: E402
@@ -117,6 +118,14 @@ def reshard_trade(device):
     return found
 
 
+LESSON = "07_fsdp_dcp/fsdp_dcp.py"
+
+
+class KnownMistake(RuntimeError):
+    """A mistake the lab measured before training (the same on every rank): the lab_worker keeps
+    its cause, and the lab ends with PROOF FAILED and that LIKELY CAUSE line."""
+
+
 def checking_the_optimizer(train):
     """Wraps the lesson's train, for two mistakes that train equal and say nothing. An optimizer
     made before fully_shard holds the old tensors, which fully_shard replaced with DTensors; it
@@ -127,17 +136,39 @@ def checking_the_optimizer(train):
     def wrapper(*args, **kwargs):
         arguments = inspect.signature(train).bind(*args, **kwargs).arguments
         held = {id(p) for group in arguments["optimizer"].param_groups for p in group["params"]}
-        if held != {id(p) for p in arguments["model"].parameters()}:
-            raise RuntimeError("the optimizer does not hold the model's parameters: it was made "
-                               "before fully_shard, which replaces them (make it after)")
+        params = {id(p) for p in arguments["model"].parameters()}
+        if held != params:
+            raise KnownMistake(
+                f"the optimizer does not hold the model's parameters: it was made before "
+                f"fully_shard, which replaces them (it holds {len(held & params)} of the model's "
+                f"{len(params)}); make it after fully_shard "
+                f"({course.lesson_line(LESSON, 'optimizer = torch.optim.SGD')})")
         unsharded = [name for name, m in arguments["model"].named_children()
                      if any(True for _ in m.parameters()) and not isinstance(m, FSDPModule)]
         if unsharded:
-            raise RuntimeError(f"layer(s) {', '.join(unsharded)} are not fully_shard units of "
-                               "their own: they stay whole on every rank through forward and "
-                               "backward, as with fully_shard on the root only (shard each layer, "
-                               "then the root)")
+            raise KnownMistake(
+                f"layer(s) {', '.join(unsharded)} are not fully_shard units of their own: they "
+                f"stay whole on every rank through forward and backward, as with fully_shard on "
+                f"the root only; shard each layer, then the root "
+                f"({course.lesson_line(LESSON, 'fully_shard(layer, mesh=mesh)')})")
         return train(*args, **kwargs)
+    return wrapper
+
+
+def counting_steps(train, kept):
+    """Wraps the lesson's train: counts this rank's optimizer steps (a global post-step hook) and,
+    once it returns (the group still up), keeps every rank's count under "steps"."""
+    @functools.wraps(train)
+    def wrapper(*args, **kwargs):
+        count = [0]
+        handle = register_optimizer_step_post_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        try:
+            losses = train(*args, **kwargs)
+        finally:
+            handle.remove()
+        kept["steps"] = [None] * dist.get_world_size()
+        dist.all_gather_object(kept["steps"], count[0])
+        return losses
     return wrapper
 
 
@@ -184,7 +215,8 @@ def lab_worker(index, jobs, backend, epochs, batch_size, lr, out_dir, broken, cr
         lesson.train = train_skipping_a_step(lesson.train)
     if broken == "model-only-checkpoint" and job["resume"]:
         lesson.load_checkpoint = load_model_only
-    lesson.train = keep_full_state(checking_the_optimizer(lesson.train), kept, "trained")
+    lesson.train = keep_full_state(counting_steps(checking_the_optimizer(lesson.train), kept),
+                                   kept, "trained")
     if job["ddp_port"]:
         lesson.train = then_measure_resharding(lesson.train, kept)
     lesson.save_checkpoint = keep_full_state(lesson.save_checkpoint, kept, "saved at {epoch}")
@@ -201,6 +233,8 @@ def lab_worker(index, jobs, backend, epochs, batch_size, lr, out_dir, broken, cr
                 model, _ = ddp.worker(job["rank"], job["world_size"], job["ddp_port"], backend,
                                       epochs, batch_size, lr, timeout)
             kept["ddp"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    except KnownMistake as mistake:  # every rank measured it, before any collective of train
+        kept = {"mistake": str(mistake)}
     except BaseException:  # print this rank's own error first: the spawner may report a peer's
         traceback.print_exc()
         sys.stderr.flush()
@@ -297,6 +331,12 @@ def main(argv=None):
                 for r in range(n)]
         course.spawn_or_fail(lab_worker, (jobs, *common), n)
         first = time.perf_counter() - start
+        mistake = torch.load(os.path.join(out_dir, "fsdp.pt"), weights_only=True).get("mistake")
+        if mistake:  # measured before training: nothing to compare, the cause is known
+            course.report_proof(False, f"FSDP2 on {n} ranks was not trained: the lab found a "
+                                "mistake before the first step", "0 steps", "none")
+            course.report_cause(mistake)
+            return 1
         name = f"epoch{last:04d}"
         saved, jobs = os.path.join("fsdp", name), []
         for m in args.resume_on:  # each run its own copy of the checkpoint, its own port
@@ -336,14 +376,62 @@ def main(argv=None):
     trains_alike = max(vs_ddp, vs_single) <= TOLERANCE
     loads_exactly, resumes_alike = worst_load == 0.0, worst_resumed <= TOLERANCE
     sizes = " and ".join(map(str, args.resume_on))
-    return course.report_proof(
+    code = course.report_proof(
         trains_alike and loads_exactly and resumes_alike,
         f"FSDP2 on {n} ranks {'equals' if trains_alike else 'does NOT equal'} DDP and one process, "
         f"and its checkpoint {'loads' if loads_exactly else 'does NOT load'} exactly on {sizes} "
         f"rank(s) and {'continues' if resumes_alike else 'does NOT continue'} as one process would",
         f"max |dw| against DDP {vs_ddp:.1e}, against one process {vs_single:.1e}, after loading "
         f"{worst_load:.1e}, resumed {worst_resumed:.1e}", f"{TOLERANCE:.0e}")
+    if code:
+        likely_cause(runs, n, last, args.resume_on)
+    return code
+
+
+def shard_owners(trained, reference, n):
+    """The ranks whose FSDP2 shards (rows of dim 0, torch.chunk's split) hold a value more than
+    TOLERANCE from the reference, and the first parameter that does."""
+    owners, first = set(), None
+    for name, value in trained.items():
+        bad = ((value.double() - reference[name].double()).abs() > TOLERANCE)
+        rows = bad.reshape(len(bad), -1).any(dim=1).nonzero().flatten().tolist() if bad.dim() \
+            else ([0] if bad else [])
+        if rows:
+            first = first or name
+            owners |= {row // -(-len(value) // n) for row in rows}
+    return sorted(owners), first
+
+
+def likely_cause(runs, n, last, resume_on):
+    """The last line of a failure: which typical mistake the measurements fit (never read from
+    the learner's source), or what was measured."""
+    fsdp = runs["fsdp"]
+    owners, first = shard_owners(weights(fsdp["trained"]), fsdp["ddp"], n)
+    saved = fsdp[f"saved at {last}"]
+    momentum = [k for k in saved if k.endswith(".momentum")]
+    load_w = max(course.max_abs_diff(weights(runs[f"on{m}"]["loaded"]), weights(saved))
+                 for m in resume_on)
+    loaded_m = [runs[f"on{m}"]["loaded"].get(k, torch.zeros(())) for m in resume_on for k in momentum]
+    zero_m = bool(momentum) and all(not t.any() for t in loaded_m)
+    saved_m = max((saved[k].abs().max().item() for k in momentum), default=0.0)
+    shards = ", ".join(map(str, owners))
+    steps = fsdp.get("steps", [])
+    fewest = [r for r, c in enumerate(steps) if c == min(steps)] if steps else []
+    measured = (f"optimizer steps per rank {', '.join(map(str, steps))}; against DDP, {'the shards of rank(s) ' + shards + ' differ, first in ' + first if first else 'every shard is equal'}; "
+                f"loaded weights max |d| {load_w:.1e}; loaded momentum "
+                f"{'all zero' if zero_m else 'not zero'}")
+    course.diagnose([
+        (len(set(steps)) > 1,
+         f"a rank skipped an optimizer step: rank(s) {', '.join(map(str, fewest))} ran "
+         f"{min(steps)} optimizer steps, the others {max(steps)}, so their shards missed an "
+         f"update (against DDP, first in {first}); every rank must run every optimizer.step() "
+         f"({course.lesson_line(LESSON, 'optimizer.step()')})"),
+        (not first and load_w == 0.0 and zero_m and saved_m > 0,
+         f"the checkpoint holds the model only: the weights load exactly, but every momentum "
+         f"buffer comes back 0 (saved: up to {saved_m:.1e}); save and load the optimizer's state "
+         f"with the model's ({course.lesson_line(LESSON, 'get_state_dict(model, optimizer)')})"),
+    ], measured)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

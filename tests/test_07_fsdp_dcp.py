@@ -66,6 +66,10 @@ def test_a_skipped_step_fails_the_proof():
     passed, vs_ddp, vs_single, after_loading, resumed = proof(result.stdout)
     assert not passed and vs_ddp > 1e-3 and vs_single > 1e-3
     assert after_loading == 0.0, "the checkpoint still holds what was trained, missed step and all"
+    assert result.stdout.splitlines()[-1] == (
+        "LIKELY CAUSE: a rank skipped an optimizer step: rank(s) 1 ran 15 optimizer steps, the "
+        "others 16, so their shards missed an update (against DDP, first in 0.weight); every rank "
+        "must run every optimizer.step() (fsdp_dcp.py line 47)")
 
 
 def test_a_crashed_rank_stops_the_run(lesson):
@@ -159,7 +163,8 @@ class TestTheLessonCopiedAlone:
         assert prove.course.max_abs_diff(prove.weights(kept["trained"]), reference) <= TOLERANCE
         assert sorted(os.listdir(tmp_path / "run" / "epoch0002")) == [".metadata", "__0_0.distcp"]
 
-    def test_the_model_only_break_loses_the_momentum(self, prove, alone, tmp_path, monkeypatch):
+    def test_the_model_only_break_loses_the_momentum(self, prove, alone, tmp_path, monkeypatch,
+                                                     capsys):
         """The lab's own rank function, as a resumed run of one rank, in this process: under
         --break model-only-checkpoint the weights come back, the momentum does not."""
         for name in ("train", "save_checkpoint", "load_checkpoint"):  # lab_worker wraps them: undo
@@ -179,6 +184,14 @@ class TestTheLessonCopiedAlone:
         assert all(torch.equal(loaded[k], saved[k]) for k in prove.weights(saved)), "weights: yes"
         momentum = [k for k in saved if k.endswith(".momentum")]
         assert momentum and all(saved[k].abs().max() > 0 and loaded[k].abs().max() == 0 for k in momentum)
+        weights = prove.weights(saved)  # the training itself right: the cause is the checkpoint's
+        runs = {"fsdp": {"trained": weights, "ddp": weights, "saved at 1": saved, "steps": [8, 8]},
+                "on1": {"loaded": loaded}}
+        capsys.readouterr()
+        prove.likely_cause(runs, 2, 1, [1])
+        assert capsys.readouterr().out.startswith(
+            "LIKELY CAUSE: the checkpoint holds the model only: the weights load exactly, but every "
+            "momentum buffer comes back 0 (saved: up to ")
 
     @pytest.mark.parametrize("damage, message", [
         ("remove .metadata", "No such file or directory"),
