@@ -29,10 +29,10 @@ MISTAKES = {
                       "        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)\n"
                       "        for layer in [m for m in model if isinstance(m, nn.Linear)] + [model]:\n"
                       "            fully_shard(layer, mesh=mesh)\n")], [],
-                    "RUN FAILED", "the optimizer does not hold the model's parameters: it was made "
-                                  "before fully_shard"),
+                    "PROOF FAILED", "LIKELY CAUSE: the optimizer does not hold the model's "
+                                    "parameters: it was made before fully_shard"),
     "09_training_loop": ([("(loss / k).backward()", "loss.backward()")], [], "PROOF FAILED",
-                         "do NOT equal one process"),
+                         "LIKELY CAUSE: the loss is not divided by the K = 2 micro-batches"),
     "10_tensor_parallel": ([('DistributedSampler(dataset, mesh["dp"].size(), mesh["dp"].get_local_rank())',
                              "DistributedSampler(dataset)")], [], "PROOF FAILED",
                            "TP, SP and 2-D do NOT equal one process"),
