@@ -17,6 +17,7 @@ The claims, each against the lesson's own main() run unchanged (the lab only wra
    copy's ranks keep the weights they both hold whole equal.
 """
 import argparse
+import hashlib
 import inspect
 import json
 import logging
@@ -26,15 +27,20 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from contextlib import redirect_stdout
 from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset  # noqa: E402
+from torch.utils.data import (ConcatDataset, DataLoader, Dataset, Subset,  # noqa: E402
+                              default_collate)
 
 import course  # noqa: E402
 
@@ -65,6 +71,7 @@ NEEDS = ("main", "init_distributed", "make_dataset", "make_model", "step_windows
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 STEPS, GLOBAL = 4, 24  # claims 1, 3, 6: 4 steps of 24 windows (2 x 12, 3 x 8, 1 x 24)
 FLOAT64_TOL, BF16_AT_LEAST, BF16_TOL = 1e-10, 1e-4, 5e-2  # bf16: really on, and close
+EVAL_TOL = 1e-8  # claim 4: the mean loss of runs within 1e-10 of one process (relative)
 CLAIM = {1: "DDP and FSDP equal one process", 2: "a SIGKILLed rank resumes bit-exact",
          3: "FSDP resumes on 1 and 3 ranks", 4: "evaluation counts every token once",
          5: "TensorBoard logs each step once", 6: "bf16 is on and stays close",
@@ -96,25 +103,42 @@ BREAKS = {
 # ------------------------------------------------------------------------ inside every rank
 def install(broken, float64, accumulate, kept):
     """Wraps the lesson's functions (its code unchanged) for one run: float64 weights, the break,
-    and a capture of the full final weights and of the evaluations' counts into `kept`. Returns
-    the function that undoes it all."""
+    and what the lab measures into `kept`: the full final weights, each evaluation's value and
+    count, each step's gradient norm, the reductions of each micro-batch, the windows each rank
+    reads, RNG states at each save and after a load, the files each save creates and the renames
+    that made them, and torch's warnings. Returns the function that undoes it all."""
     saved = {name: getattr(lesson, name) for name in ("make_model", "evaluate", "sample",
-             "micro_batches", "F", "SummaryWriter", "torch", "train_step", "make_dataset")}
-    saved_rng = torch.set_rng_state
+             "micro_batches", "SummaryWriter", "torch", "train_step", "make_dataset", "wrap")}
+    saved_rng, saved_fn = torch.set_rng_state, {n: getattr(F, n) for n in LOSSES}
     dtype = torch.float64 if float64 else torch.float32
-    lesson.make_model = lambda *a, **k: without_tp(saved["make_model"](*a, **k).to(dtype), broken)
+    lesson.make_model = lambda *a, **k: watch_evaluation(without_tp(
+        saved["make_model"](*a, **k).to(dtype), broken), kept)
     lesson.make_dataset = lambda *a, **k: in_dtype(saved["make_dataset"](*a, **k), dtype)
 
     def counting_evaluate(model, dataset, batch_size, device, autocast, group=None):
         if broken == "padded-evaluation":  # DistributedSampler's padding: equal shares, repeats
             extra = -len(dataset) % lesson.dist.get_world_size(group)
             dataset = ConcatDataset([dataset, Subset(dataset, range(extra))])
-        loss, counted = saved["evaluate"](model, dataset, batch_size, device, autocast, group)
-        kept.setdefault("counted", []).append(counted)
-        return loss, counted
+        kept["forwards"] = 0  # this rank's forwards in this evaluation
+        result = saved["evaluate"](model, dataset, batch_size, device, autocast, group)
+        kept.setdefault("counted", []).append(int(result[1]))  # (loss, count, anything else)
+        kept.setdefault("evaluated", []).append((float(result[0]), kept["forwards"]))
+        return result
 
     def save_and_capture(folder, model, optimizer, scheduler, step, config, *args):
-        path = saved_save(folder, model, optimizer, scheduler, step, config, *args)
+        kept.setdefault("rng_at_save", {})[step] = rng_digest()
+        before, renamed = set(os.listdir(folder)) if os.path.isdir(folder) else set(), []
+        moves = {"replace": os.replace, "rename": os.rename}
+        for name, move in moves.items():  # what the save renames: a .tmp made whole, or nothing
+            setattr(os, name, lambda a, b, *r, move=move, **k: (renamed.append(os.path.abspath(
+                b)) if os.path.abspath(a) != os.path.abspath(b) else None, move(a, b, *r, **k))[1])
+        try:
+            path = saved_save(folder, model, optimizer, scheduler, step, config, *args)
+        finally:
+            os.replace, os.rename = moves["replace"], moves["rename"]
+        new = sorted(set(os.listdir(folder)) - before)
+        kept.setdefault("saves", []).append((step, new, [n for n in new if os.path.join(
+            os.path.abspath(folder), n) in renamed]))
         if step == config["steps"]:  # every rank: the full weights need the ranks' shards
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                          cpu_offload=True))
@@ -123,9 +147,17 @@ def install(broken, float64, accumulate, kept):
             kept["tensors"] = len(list(model.parameters()))
             if kept.get("tp", 1) > 1:  # what a copy's ranks both hold whole must stay equal
                 kept["copies_apart"] = copies_apart(model, kept["split"], kept["tp"])
+            kept["ranks"] = [None] * lesson.dist.get_world_size()  # each rank's windows and RNG
+            lesson.dist.all_gather_object(kept["ranks"], {"read": kept.get("read", []),
+                                                          "rng": rng_digest()})
         return path
-    saved_save = lesson.checkpoint.save
-    lesson.checkpoint.save = save_and_capture
+    saved_save, saved_load = lesson.checkpoint.save, lesson.checkpoint.load
+
+    def load_and_measure(*args, **kwargs):
+        step = saved_load(*args, **kwargs)
+        kept["rng_after_load"] = (int(step), rng_digest())
+        return step
+    lesson.checkpoint.save, lesson.checkpoint.load = save_and_capture, load_and_measure
     lesson.evaluate = counting_evaluate
     lesson.sample = lambda model: saved["sample"](model, new_tokens=8)  # faster, same code
 
@@ -137,16 +169,34 @@ def install(broken, float64, accumulate, kept):
             kept["profiler"] = torch.profiler.profile(activities=[
                 torch.profiler.ProfilerActivity.CPU])
             kept["profiler"].start()
+        kept["micro"], kept["reductions"] = [], [0]  # reductions so far, at each forward
         result = saved["train_step"](*args, **kwargs)
         kept["seconds"].append(time.perf_counter() - start)
+        micro = kept.pop("micro") + [kept["reductions"][0]]
+        kept.setdefault("syncs", []).append([b - a for a, b in zip(micro, micro[1:])])
+        norm = result[1] if isinstance(result, (tuple, list)) and len(result) > 1 else None
+        kept.setdefault("norms", []).append(float(norm) if norm is not None else None)
         if kept.get("profiler") and number == 5:
             kept["profiler"].stop()
             kept.pop("profiler").export_chrome_trace(kept["profile"])
         return result
     lesson.train_step = timed_step
+
+    def reading_micro_batches(*args, **kwargs):  # the windows this rank's loader draws
+        loader = inner(*args, **kwargs)
+        sampler = getattr(loader, "sampler", None)
+        kept.setdefault("read", []).append(list(sampler) if sampler is not None else None)
+        return loader
+
+    def counting_wrap(*args, **kwargs):  # each reduction of the gradients (lab 09's count)
+        model = saved["wrap"](*args, **kwargs)
+        count_reductions(model, kept)
+        return model
+    lesson.wrap = counting_wrap
     if broken == "loss-not-divided":  # the loss K times larger: loss / K is the undivided loss
-        lesson.F = SimpleNamespace(cross_entropy=lambda *a, **k: torch.nn.functional.cross_entropy(
-            *a, **k) * (accumulate if k.get("reduction", "mean") == "mean" else 1))
+        for name in LOSSES:  # torch's own functions, patched: every name of F stays
+            setattr(F, name, lambda *a, fn=saved_fn[name], **k: fn(*a, **k) * (
+                accumulate if k.get("reduction", "mean") == "mean" else 1))
     if broken == "no-rng-restore":
         torch.set_rng_state = lambda *a, **k: None
     if broken == "rank-seeded-data":
@@ -155,17 +205,66 @@ def install(broken, float64, accumulate, kept):
         lesson.micro_batches = lambda dataset, step, rank, world_size, *rest: saved[
             "micro_batches"](dataset, step, lesson.dist.get_rank(), lesson.dist.get_world_size(),
                              *rest)
+    inner, lesson.micro_batches = lesson.micro_batches, reading_micro_batches
     if broken == "no-purge":
         lesson.SummaryWriter = lambda log_dir, purge_step=None: saved["SummaryWriter"](log_dir)
     if broken == "autocast-on-cuda":
         lesson.torch = SimpleNamespace(**{**vars(torch), "autocast": lambda device_type, dtype:
                                           torch.autocast("cuda", dtype=dtype)})
+    shown = warnings.showwarning
+
+    def record_warning(message, *args, **kwargs):  # torch's warnings: measurements too
+        kept.setdefault("warnings", []).append(str(message).splitlines()[0][:300])
+        return shown(message, *args, **kwargs)
+    warnings.showwarning = record_warning
 
     def undo():
         for name, value in saved.items():
             setattr(lesson, name, value)
+        for name, value in saved_fn.items():
+            setattr(F, name, value)
         torch.set_rng_state, lesson.checkpoint.save = saved_rng, saved_save
+        lesson.checkpoint.load, warnings.showwarning = saved_load, shown
+        for name in ("reductions", "micro", "forwards"):
+            kept.pop(name, None)
     return undo
+
+
+LOSSES = ("cross_entropy", "mse_loss", "l1_loss", "nll_loss", "binary_cross_entropy_with_logits")
+
+
+def rng_digest():
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+
+
+def count_reductions(model, kept):
+    """Counts the gradient reductions: DDP's all-reduces (a comm hook, as lab 09's), FSDP's
+    reduce-scatters (the hook FSDP calls after each); each training forward notes the count."""
+    if hasattr(model, "register_comm_hook"):
+        def all_reduce(state, bucket):
+            kept["reductions"][0] += 1
+            return allreduce_hook(state, bucket)
+        model.register_comm_hook(None, all_reduce)
+    else:
+        for module in model.modules():  # FSDP calls it after each reduce-scatter
+            if hasattr(module, "set_all_reduce_hook"):
+                module.set_all_reduce_hook(lambda output: kept["reductions"].__setitem__(
+                    0, kept["reductions"][0] + 1))
+
+    def before_forward(module, args):
+        if module.training and "micro" in kept:
+            kept["micro"].append(kept["reductions"][0])
+    model.register_forward_pre_hook(before_forward)
+
+
+def watch_evaluation(model, kept):
+    """Counts the model's forwards in evaluation (eval mode): a mean per forward, summed, would
+    be the loss times the forwards per target."""
+    def before_forward(module, args):
+        if not module.training and "forwards" in kept:
+            kept["forwards"] += 1
+    model.register_forward_pre_hook(before_forward)
+    return model
 
 
 def split_over_tp(parameter):
@@ -303,14 +402,35 @@ def forget_world():
         os.environ.pop(key, None)
 
 
+class Diagnosed(Exception):
+    """A run that cannot go on, and why: (what failed, the LIKELY CAUSE line's text)."""
+
+
 def in_this_process(name, job, broken, out_dir):
-    """A world of one, here: what `python train_gpt.py` runs."""
+    """A world of one, here: what `python train_gpt.py` runs, with no torchrun variables set."""
     forget_world()
     try:
         run_one(name, job, broken, out_dir)
+    except KeyError as error:  # a torchrun variable read, never set: no world of one
+        if error.args and error.args[0] in WORLD_VARIABLES:
+            what = f"KeyError: {error.args[0]!r}"
+            line = course.lesson_line(LESSON_PATH, 'if "RANK" not in os.environ')
+            raise Diagnosed(
+                f"main() does not run under plain python, as a world of one ({what})",
+                "no world-of-one set-up for plain python: main(), run with no torchrun variable "
+                f"in the environment, raised {what} (so does `python your_file.py`); when RANK is "
+                f"missing, set torchrun's variables for a world of one, as {line} does") from None
+        raise
     finally:
         forget_world()
     return torch.load(os.path.join(out_dir, f"{name}.pt"), weights_only=True)
+
+
+WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT")
+LESSON_PATH = "11_train_gpt/train_gpt.py"
+CHECKPOINT_PATH = "11_train_gpt/checkpoint.py"
+SUMMED = 'reduction="sum")'  # the lesson's summed evaluation loss, for lesson_line
 
 
 def gap(a, b):
@@ -349,10 +469,19 @@ def main(argv=None):
     os.makedirs(out_dir, exist_ok=True)
     if os.listdir(out_dir):
         course.refuse(f"--out-dir {out_dir} is not empty")
+    facts = model_facts()
+    if args.broken and CLAIMS_OF[args.broken] == {7} and not facts["tp"]:
+        course.refuse(f"--break {args.broken} breaks claim 7, and the model has no "
+                      "tensor_parallel(): claim 7 is skipped")
     try:
         if args.scaling:
             return scaling(args.scaling, out_dir)
-        return prove(args.broken, out_dir, set(args.claims or CLAIMS_OF.get(args.broken, CLAIM)))
+        return prove(args.broken, out_dir, set(args.claims or CLAIMS_OF.get(args.broken, CLAIM)),
+                     facts)
+    except Diagnosed as failure:
+        course.report_proof(False, failure.args[0], "no claim measured", "none")
+        course.report_cause(failure.args[1])
+        return 1
     finally:
         if not args.out_dir:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -370,11 +499,30 @@ def job(name, out_dir, steps=STEPS, every=STEPS, **settings):
                 float64=settings.get("precision") != "bf16", **settings)
 
 
-def prove(broken, out_dir, wanted):
+def model_facts():
+    """What the lab measures on make_model's model before any run: whether it has a plan for
+    --tp, and whether it is random in training with dropout 0 (dropout the lab cannot set)."""
+    context = inspect.signature(lesson.main).parameters["context"].default
+    seed = inspect.signature(lesson.main).parameters["seed"].default
+    model = lesson.make_model(context, 0.0, seed)
+    facts = {"tp": hasattr(model, "tensor_parallel"), "random": None}
+    try:  # the same two samples, twice, in training mode
+        x = default_collate([lesson.make_dataset(None, context)[0][i] for i in range(2)])[0]
+        with torch.no_grad():
+            facts["random"] = (model(x).double() - model(x).double()).abs().max().item()
+    except Exception:  # a model the lab cannot feed this way: no measurement
+        pass
+    return facts
+
+
+def prove(broken, out_dir, wanted, facts):
     """Runs what the wanted claims need (with --break: the claims it breaks), then reports."""
     print(f"claim(s) {', '.join(map(str, sorted(wanted)))} of {len(CLAIM)}"
           + (f"; --break {broken}: {BREAKS[broken]}" if broken else ""), flush=True)
     clock, two, three, four = time.perf_counter(), {}, {}, {}
+    one = on_one = tp_on_one = None
+    if wanted & {1, 4, 7}:  # first: a file that cannot run as a world of one stops here
+        one = in_this_process("one", job("one", out_dir, batch_size=GLOBAL), broken, out_dir)
     if wanted & {1, 3, 4, 6}:
         jobs = {"ddp": job("ddp", out_dir, batch_size=12),
                 "fsdp": job("fsdp", out_dir, parallel="fsdp", batch_size=12, every=2)}
@@ -394,8 +542,7 @@ def prove(broken, out_dir, wanted):
     elif 2 in wanted:
         two = spawn(2, {f"{p}-uninterrupted": dict(RESTART, parallel=p, out_dir=os.path.join(
             out_dir, f"u-{p}")) for p in ("ddp", "fsdp")}, broken, out_dir)
-    one = on_one = tp_on_one = None
-    if 7 in wanted:  # FSDP x TP: 2 copies of 12 windows, each on 2 ranks; saved at step 2
+    if 7 in wanted and facts["tp"]:  # FSDP x TP: 2 copies of 12 windows, each on 2 ranks
         four = spawn(4, {"fsdp-tp": job("fsdp-tp", out_dir, parallel="fsdp", tp=2, batch_size=12,
                                         every=2),
                          "tp-dropout": job("tp-dropout", out_dir, parallel="fsdp", tp=2,
@@ -404,14 +551,12 @@ def prove(broken, out_dir, wanted):
                         os.path.join(out_dir, "tp-on-1", "step0000002"))
         tp_on_one = in_this_process("tp-on-1", job("tp-on-1", out_dir, parallel="fsdp",
                                                    batch_size=GLOBAL), broken, out_dir)
-    if wanted & {1, 4, 7}:
-        one = in_this_process("one", job("one", out_dir, batch_size=GLOBAL), broken, out_dir)
     if wanted & {3, 4}:  # the FSDP run's checkpoint of step 2, resumed on 1 and on 3 ranks
         for world in (1, 3):
             shutil.copytree(os.path.join(out_dir, "fsdp", "step0000002"),
                             os.path.join(out_dir, f"fsdp-on-{world}", "step0000002"))
         three = spawn(3, {"fsdp-on-3": job("fsdp-on-3", out_dir, parallel="fsdp", batch_size=8),
-                          "ddp-3": job("ddp-3", out_dir, batch_size=8, steps=1)}, broken, out_dir)
+                          "ddp-3": job("ddp-3", out_dir, batch_size=8)}, broken, out_dir)
         on_one = in_this_process("fsdp-on-1", job("fsdp-on-1", out_dir, parallel="fsdp",
                                                   batch_size=GLOBAL), broken, out_dir)
     ones = sum(r is not None for r in (one, on_one, tp_on_one))
@@ -422,7 +567,8 @@ def prove(broken, out_dir, wanted):
           f"rank{'' if worlds == ['1'] else 's'} took {time.perf_counter() - clock:.1f} s on "
           f"{course.hardware()}", flush=True)
     killed = restart(broken, out_dir) if wanted & {2, 5} else None
-    return report(wanted, two, one, three, on_one, killed, out_dir, four, tp_on_one)
+    runs = dict(two, **three, **four, one=one, on_one=on_one, tp_on_one=tp_on_one)
+    return report(wanted, runs, killed, out_dir, facts)
 
 
 def scaling(steps, out_dir):
@@ -496,42 +642,133 @@ def restart(broken, out_dir):
     return code, runs
 
 
-def report(wanted, two, one, three, on_one, killed, out_dir, four, tp_on_one):
-    """Prints each wanted claim's numbers; the PROOF line covers the wanted claims only."""
-    passed, measured = {}, []
+def report(wanted, runs, killed, out_dir, facts):
+    """Prints each wanted claim's numbers; the PROOF line covers the wanted claims only; a failure
+    ends with its likely cause, read from what the runs measured (never from the file's text)."""
+    passed, measured, causes, unknown, one = {}, [], [], [], runs["one"]
+    code, kruns = killed or (None, {})
+    every = [r for r in list(runs.values()) + list(kruns.values()) if r]
+    warned = [w for r in every for w in r.get("warnings", [])]
+    causes.append(broadcast_cause(warned))
+    random = facts.get("random") or 0.0
+    causes.append((random > 0, f"dropout the lab cannot switch off: make_model(context, dropout="
+                   f"0.0, seed)'s model gives the same samples {random:.1e} apart in two training "
+                   f"forwards (the lab compares with one process at dropout 0, and resumes at "
+                   f"0.1); build it with make_model's dropout parameter, as "
+                   f"{course.lesson_line(LESSON_PATH, 'dropout=dropout)')} does, and set yours "
+                   f"in main's call ({course.lesson_line(LESSON_PATH, 'main(**vars(')})"))
     if 1 in wanted:
-        gaps = [gap(two["ddp"], one), gap(two["ddp-k2"], one), gap(two["fsdp"], two["ddp"]),
-                gap(two["fsdp-k2"], one)]
+        names = ("ddp", "ddp-k2", "fsdp", "fsdp-k2")
+        gaps = [gap(runs["ddp"], one), gap(runs["ddp-k2"], one), gap(runs["fsdp"], runs["ddp"]),
+                gap(runs["fsdp-k2"], one)]
+        first = {n: norm_ratios(runs[n], one) for n in names}
+        norms = max((abs(r - 1) for ratios in first.values() for r in ratios), default=0.0)
+        syncs = {n: (runs[f"{n}-k2"].get("syncs") or [[]])[0] for n in ("ddp", "fsdp")}
+        once = all(len(s) == 2 and s[0] == 0 and s[1] > 0 for s in syncs.values())
         print("1. float64, 2 ranks against one process on the 2-times batch: DDP {:.1e}, DDP with "
               "2 micro-batches {:.1e}; FSDP against DDP {:.1e}, FSDP with 2 micro-batches "
-              "{:.1e}".format(*gaps))
-        passed[1], measured = max(gaps) <= FLOAT64_TOL, measured + [f"float64 {max(gaps):.1e}"]
+              "{:.1e}".format(*gaps) + f"; every step's gradient norm {norms:.1e} from one "
+              f"process's (relative); step 1's gradient reductions in micro-batches 1 and 2: "
+              f"DDP {syncs['ddp']}, FSDP {syncs['fsdp']}")
+        passed[1] = max(gaps) <= FLOAT64_TOL and norms <= FLOAT64_TOL and once
+        measured.append(f"float64 {max(gaps):.1e}")
+        data = next(filter(None, (data_mismatch(runs[n], one) for n in names)), None)
+        causes.append(data_cause(data))
+        ratio = {n: (first[n] or [None])[0] for n in names}
+        causes.append((all(ratio.values()) and all(abs(ratio[n] - 1) < 1e-6 for n in (
+            "ddp", "fsdp")) and all(abs(ratio[n] - 2) < 2e-2 for n in ("ddp-k2", "fsdp-k2")),
+            f"the loss is not divided by the number of micro-batches: with 2 micro-batches the "
+            f"first step's gradient norm is {ratio['ddp-k2'] or 0:.2f} times one process's "
+            f"(DDP; FSDP {ratio['fsdp-k2'] or 0:.2f}; with 1 micro-batch "
+            f"{ratio['ddp'] or 0:.2f}); backpropagate loss / len(batches), as "
+            f"{course.lesson_line(LESSON_PATH, '(loss / len(batches)).backward()')} does"))
+        causes.append((any(len(s) > 1 and sum(s[:-1]) > 0 for s in syncs.values()),
+                       f"the gradients are reduced after every micro-batch, not once on the last: "
+                       f"step 1's reductions in micro-batches 1 and 2, DDP {syncs['ddp']} "
+                       f"(all-reduces), FSDP {syncs['fsdp']} (reduce-scatters), where 0 belongs "
+                       f"before the last; run all but the last in model.no_sync() (FSDP: "
+                       f"set_requires_gradient_sync(last)), as "
+                       f"{course.lesson_line(LESSON_PATH, 'model.no_sync()')} does"))
+        unknown.append(f"claim 1: final weights {max(gaps):.1e} from one process, largest in "
+                       f"{largest(runs['ddp'], one)}; gradient norms {norms:.1e} apart, first at "
+                       f"step {first_step_apart(first)}; step 1's reductions DDP {syncs['ddp']}, "
+                       f"FSDP {syncs['fsdp']}")
     if 2 in wanted:
-        code, runs = killed
-        resumed = [gap(runs[p], two[f"{p}-uninterrupted"]) if p in runs else float("inf")
+        resumed = [gap(kruns[p], runs[f"{p}-uninterrupted"]) if p in kruns else float("inf")
                    for p in ("ddp", "fsdp")]
+        saves = [(p, new, renamed) for p in ("ddp", "fsdp") for r in (
+            kruns.get(p), runs[f"{p}-uninterrupted"]) if r for _, new, renamed in r["saves"]]
+        whole = {p: sum(bool(new) and new == renamed for q, new, renamed in saves if q == p)
+                 for p in ("ddp", "fsdp")}
         print(f"2. killed at step 5, resumed from step 3, against uninterrupted (dropout 0.1, 2 "
               f"micro-batches, an evaluation after the checkpoint): DDP {resumed[0]:.1e}, FSDP "
-              f"{resumed[1]:.1e}")
-        passed[2], measured = code == 0 and max(resumed) == 0.0, measured + [
-            f"resumed {max(resumed):.1e}"]
+              f"{resumed[1]:.1e}; saves that made their files by renaming a whole temporary: "
+              + ", ".join(f"{p.upper()} {whole[p]} of {sum(q == p for q, *_ in saves)}"
+                          for p in ("ddp", "fsdp")))
+        in_place = [(p, [n for n in new if n not in renamed]) for p, new, renamed in saves
+                    if set(new) - set(renamed)]
+        passed[2] = code == 0 and max(resumed) == 0.0 and not in_place
+        measured.append(f"resumed {max(resumed):.1e}")
+        loads = {p: (kruns[p].get("rng_after_load"), runs[f"{p}-uninterrupted"].get(
+            "rng_at_save", {})) for p in kruns}
+        lost = [p for p, (load, at_save) in loads.items()
+                if load and load[0] in at_save and load[1] != at_save[load[0]]]
+        causes.append((lost, f"the resumed ranks do not restore their RNG states: after loading "
+                       f"step {RESTART['every']}, {' and '.join(p.upper() for p in lost)} rank "
+                       f"0's RNG state is not the one it saved there, so dropout draws other "
+                       f"masks ({max(resumed):.1e} from the uninterrupted run); set each "
+                       f"data-parallel rank's saved state back, as "
+                       f"{course.lesson_line(CHECKPOINT_PATH, 'torch.set_rng_state(')}"
+                       f" does"))
+        made = f"{', '.join(in_place[0][1])} ({in_place[0][0].upper()})" if in_place else ""
+        causes.append((in_place, f"the checkpoint is written in place: the save made {made} "
+                       f"without renaming a whole temporary (no os.replace or os.rename made it), "
+                       f"so a crash mid-save leaves the newest checkpoint damaged; write NAME.tmp, "
+                       f"then os.replace it, as "
+                       f"{course.lesson_line(CHECKPOINT_PATH, 'os.replace(tmp, path)')}"
+                       f" does"))
+        unknown.append(f"claim 2: torchrun exit {code}; resumed DDP {resumed[0]:.1e}, FSDP "
+                       f"{resumed[1]:.1e}; RNG states restored: {'no' if lost else 'yes'}")
     if 3 in wanted:
-        moved = [gap(on_one, two["fsdp"]), gap(three["fsdp-on-3"], two["fsdp"])]
+        moved = [gap(runs["on_one"], runs["fsdp"]), gap(runs["fsdp-on-3"], runs["fsdp"])]
         print(f"3. FSDP saved on 2 ranks at step 2, resumed to step {STEPS} on 1 rank: "
               f"{moved[0]:.1e} from the 2-rank run; on 3 ranks: {moved[1]:.1e}")
         passed[3], measured = max(moved) <= FLOAT64_TOL, measured + [f"moved {max(moved):.1e}"]
+        data = next(filter(None, (data_mismatch(runs[n], one) for n in ("fsdp", "fsdp-on-3")
+                                  if one)), None)
+        causes.append(data_cause(data))
+        unknown.append(f"claim 3: resumed on 1 rank {moved[0]:.1e}, on 3 {moved[1]:.1e}, largest "
+                       f"in {largest(runs['fsdp-on-3'], runs['fsdp'])}")
     if 4 in wanted:
         context = inspect.signature(lesson.main).parameters["context"].default
         val_set = lesson.make_dataset(None, context)[1]
         tokens = len(val_set) * torch.as_tensor(val_set[0][1]).numel()  # a window, or a label
-        counts = {"1 rank": one, "2 ranks DDP": two["ddp"], "2 ranks FSDP": two["fsdp"],
-                  "3 ranks DDP": three["ddp-3"], "3 ranks FSDP": three["fsdp-on-3"],
-                  **({"4 ranks FSDP x TP 2": four["fsdp-tp"]} if four else {})}
-        counts = {k: v["counted"] for k, v in counts.items()}
+        named = {"1 rank": "one", "2 ranks DDP": "ddp", "2 ranks FSDP": "fsdp",
+                 "3 ranks DDP": "ddp-3", "3 ranks FSDP": "fsdp-on-3",
+                 **({"4 ranks FSDP x TP 2": "fsdp-tp"} if "fsdp-tp" in runs else {})}
+        counts = {k: runs[v]["counted"] for k, v in named.items()}
+        exact = exact_evaluation(one, val_set, context)
+        values = {k: runs[v]["evaluated"][-1][0] for k, v in named.items()}
+        apart = max(abs(v / exact - 1) if exact else abs(v) for v in values.values())
         print(f"4. validation targets counted, of {len(val_set)} samples: {tokens} (uneven "
               f"shards at 2 and 3 ranks): "
-              + ", ".join(f"{k} {', '.join(map(str, v))}" for k, v in counts.items()))
-        passed[4] = all(c == tokens for v in counts.values() for c in v)
+              + ", ".join(f"{k} {', '.join(map(str, v))}" for k, v in counts.items())
+              + f"; the mean loss at step {STEPS} {apart:.1e} from the lab's own sum over every "
+              f"target in one process ({exact:.4f}, relative)")
+        passed[4] = all(c == tokens for v in counts.values() for c in v) and apart <= EVAL_TOL
+        twice = [(k, c) for k, v in counts.items() for c in v if c > tokens]
+        where = twice[0][0] if twice else ""
+        causes.append((twice, f"evaluation counts some targets twice: {where}"
+                       f" counted {twice[0][1] if twice else 0} of {tokens} (each rank padded to "
+                       f"an equal share, as DistributedSampler does); give rank r every "
+                       f"world-size-th sample from r, counting nothing past its share, as "
+                       f"{course.lesson_line(LESSON_PATH, 'mine = list(range(rank, len(dataset)')}"
+                       f" does"))
+        value, forwards = one["evaluated"][-1]
+        causes.append(mean_reduction_cause(value, forwards, exact, tokens))
+        unknown.append(f"claim 4: targets counted {sorted({c for v in counts.values() for c in v})}"
+                       f" of {tokens}; mean loss one process {value:.4f}, the lab's own sum "
+                       f"{exact:.4f}, runs {apart:.1e} apart")
     if 5 in wanted:
         expected = list(range(1, RESTART["steps"] + 1))
         steps = {p: scalar_steps(os.path.join(out_dir, f"killed-{p}", "tensorboard"))
@@ -539,31 +776,172 @@ def report(wanted, two, one, three, on_one, killed, out_dir, four, tp_on_one):
         print(f"5. TensorBoard's steps of train/loss across the restart: DDP {steps['ddp']}, "
               f"FSDP {steps['fsdp']}")
         passed[5] = steps["ddp"] == expected and steps["fsdp"] == expected
+        again = sorted({s for p in steps.values() for s in p if p.count(s) > 1})
+        causes.append((again, f"TensorBoard logs a restart's steps again: steps {again} appear "
+                       f"twice after the resume from step {RESTART['every']} (DDP {steps['ddp']});"
+                       f" open the writer with purge_step=start + 1, which hides what a crashed "
+                       f"attempt logged after its checkpoint, as "
+                       f"{course.lesson_line(LESSON_PATH, 'purge_step=start + 1')} does"))
+        unknown.append(f"claim 5: steps DDP {steps['ddp']}, FSDP {steps['fsdp']}")
     if 6 in wanted:
-        bf16 = [gap(two["ddp-bf16"], two["ddp"]), gap(two["fsdp-bf16"], two["ddp"])]
+        bf16 = [gap(runs["ddp-bf16"], runs["ddp"]), gap(runs["fsdp-bf16"], runs["ddp"])]
         print(f"6. bf16 against float64 after {STEPS} steps: DDP autocast {bf16[0]:.1e}, FSDP "
               f"mixed-precision policy {bf16[1]:.1e}")
         passed[6] = BF16_AT_LEAST <= min(bf16) and max(bf16) <= BF16_TOL
         measured.append(f"bf16 {min(bf16):.1e} to {max(bf16):.1e}")
-    if 7 in wanted:
-        tp, split = [gap(four["fsdp-tp"], one), gap(tp_on_one, four["fsdp-tp"])], four["fsdp-tp"]
-        apart = four["tp-dropout"]["copies_apart"]
+        said = next((w for w in runs["ddp-bf16"].get("warnings", []) if "autocast" in w.lower()
+                     or "not available" in w), None)
+        causes.append((bf16[0] < BF16_AT_LEAST, f"autocast is off in DDP's bf16 run: it ends "
+                       f"{bf16[0]:.1e} from float64, where bf16's rounding moves it at least "
+                       f"{BF16_AT_LEAST:g}" + (f" (torch warned \"{said}\")" if said else "")
+                       + f"; autocast the device the run is on, torch.autocast(device.type, ...), "
+                       f"as {course.lesson_line(LESSON_PATH, 'torch.autocast(device.type')} does"))
+        causes.append((bf16[1] < BF16_AT_LEAST, f"FSDP's bf16 run computes in float64: it ends "
+                       f"{bf16[1]:.1e} from it; give fully_shard a MixedPrecisionPolicy with "
+                       f"param_dtype=torch.bfloat16, as "
+                       f"{course.lesson_line(LESSON_PATH, 'param_dtype=torch.bfloat16')} does"))
+        unknown.append(f"claim 6: bf16 DDP {bf16[0]:.1e}, FSDP {bf16[1]:.1e} from float64")
+    if 7 in wanted and "fsdp-tp" not in runs:
+        print("7. skipped: the model has no tensor_parallel()")
+    elif 7 in wanted:
+        tp, split = [gap(runs["fsdp-tp"], one), gap(runs["tp_on_one"], runs["fsdp-tp"])], runs[
+            "fsdp-tp"]
+        apart = runs["tp-dropout"]["copies_apart"]
         print(f"7. float64, --tp 2 on 4 ranks ({len(split['split'])} of {split['tensors']} "
               f"parameter tensors split over the tp ranks) against one process: {tp[0]:.1e}; its "
               f"step-2 checkpoint resumed on 1 rank without TP: {tp[1]:.1e}; with dropout 0.1, a "
               f"copy's 2 ranks' whole weights {apart:.1e} apart")
         passed[7] = max(tp) <= FLOAT64_TOL and len(split["split"]) > 0 and apart == 0.0
         measured.append(f"FSDP x TP {max(tp):.1e}")
+        causes.append(data_cause(data_mismatch(runs["fsdp-tp"], one, tp=2)))
+        rngs = [r["rng"] for r in runs["tp-dropout"]["ranks"]]
+        causes.append((apart > 0 and any(rngs[r] != rngs[r - r % 2] for r in range(len(rngs))),
+                       f"a copy's tp ranks draw different dropout masks: with dropout 0.1 the "
+                       f"ranks of a copy end with different RNG states, and the weights both hold "
+                       f"whole drift {apart:.1e} apart; seed dropout by the data-parallel rank "
+                       f"(the copy), not the global rank, as "
+                       f"{course.lesson_line(LESSON_PATH, 'torch.manual_seed(seed + 1 + dp_rank)')}"
+                       f" does"))
+        causes.append((not split["split"], f"the model's tensor_parallel() splits nothing: 0 of "
+                       f"{split['tensors']} parameter tensors are sharded over the tp ranks, so "
+                       f"each rank of a copy holds and computes the whole model; its plan must "
+                       f"parallelize_module the blocks (model.py's GPT.tensor_parallel), and wrap "
+                       f"must call it, as "
+                       f"{course.lesson_line(LESSON_PATH, 'model.tensor_parallel(mesh')} does"))
+        unknown.append(f"claim 7: --tp 2 {tp[0]:.1e} from one process, resumed {tp[1]:.1e}, "
+                       f"{len(split['split'])} tensors split, a copy's ranks {apart:.1e} apart")
     failed = [str(n) for n, ok in passed.items() if not ok]
-    claim = ", ".join(CLAIM[n] for n in sorted(wanted))
-    return course.report_proof(not failed, claim if not failed else
+    claim = ", ".join(CLAIM[n] for n in sorted(passed))
+    code = course.report_proof(not failed, claim if not failed else
                                f"NOT every claim holds (claim {', '.join(failed)} fails): {claim}",
                                "; ".join(measured) or "counts and steps exact",
                                f"{FLOAT64_TOL:g} float64, 0 resumed, bf16 {BF16_AT_LEAST:g} to "
                                f"{BF16_TOL:g}")
+    if failed:
+        course.diagnose(causes, "; ".join(u for u in unknown if u[6] in failed))
+    return code
+
+
+def broadcast_cause(warned):
+    """(fits, cause): torch's warning that a loss broadcast its output against its target."""
+    said = next((w for w in warned if "different to the input size" in w), None)
+    return said, (f"the loss broadcasts the output against the target: torch warned \"{said}\": "
+                  f"a (B, 1) output against (B,) targets is a (B, B) loss, every output against "
+                  f"every target; view the output as the target, as "
+                  f"{course.lesson_line(LESSON_PATH, 'output.view(target.shape)')} does")
+
+
+def mean_reduction_cause(value, forwards, exact, targets):
+    """(fits, cause): an evaluation that sums each forward's mean and divides by the targets
+    reports the exact mean times forwards / targets."""
+    share = value / exact if exact else 0.0
+    return bool(exact and share < 0.5 and 0.5 < share / (forwards / targets) < 2), (
+        f"evaluation adds up a mean per forward, not the loss of every target: one process "
+        f"reports {value:.4f} where the mean over the targets is {exact:.4f} ({share:.4f} of it, "
+        f"as {forwards} forward(s) / {targets} targets = {forwards / targets:.4f}: each forward's "
+        f"mean, summed, then divided by the targets); sum the loss (reduction=\"sum\"), as "
+        f"{course.lesson_line(LESSON_PATH, SUMMED)} does")
+
+
+def norm_ratios(run, one):
+    """Each step's gradient norm over one process's (train_step's second value), or []."""
+    mine, theirs = run.get("norms") or [], one.get("norms") or []
+    if not mine or None in mine or None in theirs or len(theirs) < len(mine):
+        return []
+    return [a / b if b else float("inf") for a, b in zip(mine, theirs[len(theirs) - len(mine):])]
+
+
+def first_step_apart(ratios):
+    steps = [i + 1 for r in ratios.values() for i, x in enumerate(r) if abs(x - 1) > FLOAT64_TOL]
+    return min(steps) if steps else "none"
+
+
+def largest(a, b):
+    """The parameter of the largest difference between two runs' final weights."""
+    diffs = {k: (a["state"][k].double() - b["state"][k].double()).abs().max().item()
+             for k in a["state"] if k in b["state"]}
+    return max(diffs, key=diffs.get) if diffs else "none"
+
+
+def data_mismatch(run, one, tp=1):
+    """The first step whose windows, read by the run's ranks, are not one process's: ("copy",
+    step, rank, rank) when a copy's tp ranks read different ones, else ("step", step, ranks,
+    windows read beyond the step's, windows of the step missed, the step's count); or None."""
+    ranks, ref = run.get("ranks") or [], (one.get("ranks") or [{}])[0].get("read") or []
+    reads = [r["read"] for r in ranks]
+    if not reads or not ref or any(None in r for r in reads + [ref]):
+        return None
+    for j in range(len(reads[0])):
+        step, i = STEPS - len(reads[0]) + j + 1, len(ref) - len(reads[0]) + j
+        for r in range(len(reads)):
+            if reads[r][j] != reads[r - r % tp][j]:
+                return ("copy", step, r - r % tp, r)
+        together = Counter(w for r in range(0, len(reads), tp) for w in reads[r][j])
+        expected = Counter(ref[i])
+        if together != expected:
+            return ("step", step, len(reads) // tp, sum((together - expected).values()),
+                    sum((expected - together).values()), len(ref[i]))
+    return None
+
+
+def data_cause(data):
+    """A (fits, cause) pair from data_mismatch's answer."""
+    if data and data[0] == "copy":
+        return True, (f"a copy's tp ranks read different windows: at step {data[1]}, ranks "
+                      f"{data[2]} and {data[3]} (one copy of the model) read different ones, as "
+                      f"data split by the global rank does; split the data by the data-parallel "
+                      f"rank (the copy), as "
+                      f"{course.lesson_line(LESSON_PATH, 'micro_batches(train_set, step, dp_rank')}"
+                      f" does")
+    return bool(data), (f"the ranks do not split one stream of windows: at step "
+                        f"{data[1] if data else 0}, {data[2] if data else 0} ranks read "
+                        f"{data[3] if data else 0} window(s) that one process does not (or read "
+                        f"them twice) and miss {data[4] if data else 0} of its "
+                        f"{data[5] if data else 0} (each rank drew its own order, as a sampler "
+                        f"seeded per rank does); give each rank its share of the step's windows, "
+                        f"as {course.lesson_line(LESSON_PATH, 'mine = windows[rank')} does")
+
+
+def exact_evaluation(run, val_set, context):
+    """The mean loss per target of `run`'s final weights, by the lab itself in this process:
+    cross-entropy (class targets) or squared error (real ones) summed over every target once."""
+    model = lesson.make_model(context, 0.0, 0).double()
+    model.load_state_dict(run["state"])
+    model.eval()
+    data, total, count = in_dtype((val_set, val_set, ""), torch.float64)[0], 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(data), 256):
+            x, y = default_collate([data[i] for i in range(start, min(start + 256, len(data)))])
+            out = model(x).double()
+            if y.is_floating_point():
+                total += F.mse_loss(out.reshape(y.shape), y.double(), reduction="sum").item()
+            else:
+                total += F.cross_entropy(out.flatten(0, -2), y.flatten(), reduction="sum").item()
+            count += y.numel()
+    return total / count
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))
 else:  # imported by a test, or by mp.spawn's forkserver: the course's lesson until told otherwise
     use_lesson(LESSON)

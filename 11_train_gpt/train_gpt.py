@@ -34,9 +34,8 @@ from torch.utils.tensorboard import SummaryWriter
 import checkpoint
 from model import GPT, sample
 
-# Real text that every Python installation has: its standard library, split into train and
-# validation by file. Bytes, not characters: 256 tokens, no tokenizer. (The files' bytes differ
-# a little between Python versions, and so do the numbers a run prints.)
+# Real text every Python has: its standard library, split by file. Bytes: 256 tokens, no tokenizer
+# (the files' bytes, and so a run's numbers, differ a little between Python versions).
 TRAIN_FILES = ["argparse.py", "calendar.py", "contextlib.py", "dataclasses.py", "difflib.py",
                "functools.py", "heapq.py", "textwrap.py"]
 VAL_FILES = ["bisect.py", "colorsys.py", "fnmatch.py", "queue.py", "sched.py"]
@@ -107,16 +106,19 @@ def micro_batches(dataset, step, rank, world_size, accumulate, batch_size, seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=mine, generator=torch.Generator())
 
 
-def upcast(logits):
-    """bf16 logits to fp32 for the loss (float64 stays float64: the lab proves in it)."""
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+def loss_fn(output, target, reduction="mean"):
+    """Cross-entropy over the last dimension for class targets (integers); squared error for real
+    ones (regression), the output viewed as the target (never broadcast). bf16 counts in fp32."""
+    output = output.to(torch.promote_types(output.dtype, torch.float32))
+    if target.is_floating_point():
+        return F.mse_loss(output.view(target.shape), target.to(output.dtype), reduction=reduction)
+    return F.cross_entropy(output.flatten(0, -2), target.flatten(), reduction=reduction)
 
 
 @torch.no_grad()
 def evaluate(model, dataset, batch_size, device, autocast, group=None):
-    """(mean loss per token, tokens counted): every validation token once, on any number of
-    data-parallel ranks (`group`). Each runs the same number of forwards (FSDP's is a collective:
-    a rank that stopped early would leave the others waiting); past its share it counts nothing."""
+    """(mean loss per target, targets counted): every one once, on any number of data-parallel
+    ranks (`group`), each running as many forwards (FSDP's is a collective), counting its share."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     mine = list(range(rank, len(dataset), world_size))
     batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)
@@ -127,8 +129,7 @@ def evaluate(model, dataset, batch_size, device, autocast, group=None):
         x, y = default_collate([dataset[i] for i in chunk or [0]])
         with autocast:
             logits = model(x.to(device))
-        loss = F.cross_entropy(upcast(logits).flatten(0, -2), y.to(device).flatten(),
-                               reduction="sum")
+        loss = loss_fn(logits, y.to(device), reduction="sum")  # summed: a mean per batch is wrong
         if chunk:
             total += torch.stack([loss.double(), torch.tensor(y.numel(), device=device)])
     model.train()
@@ -147,7 +148,7 @@ def train_step(model, batches, optimizer, parallel, autocast, clip):
         with contextlib.nullcontext() if last or parallel == "fsdp" else model.no_sync():
             with autocast:
                 logits = model(x.to(next(model.parameters()).device))
-            loss = F.cross_entropy(upcast(logits).flatten(0, -2), y.flatten().to(logits.device))
+            loss = loss_fn(logits, y.to(logits.device))
             (loss / len(batches)).backward()  # the mean over the step's micro-batches
         losses.append(loss.item())
     norm = clip_grad_norm(model.parameters(), clip)
@@ -298,9 +299,8 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
                           flush=True)
                     writer.add_scalar("val/loss", val_loss, done)
             if writer:
-                writer.add_scalar("train/loss", loss, done)
-                writer.add_scalar("train/grad_norm", norm, done)
-                writer.add_scalar("train/lr", lr_now, done)
+                for tag, value in (("loss", loss), ("grad_norm", norm), ("lr", lr_now)):
+                    writer.add_scalar(f"train/{tag}", value, done)
         if unit == "tokens" and hasattr(plain, "generate"):  # what a context-free model scores,
             text = sample(plain)  # and a sample (every rank: an FSDP forward is a collective)
             if rank == 0 and start < steps:
@@ -327,4 +327,4 @@ if __name__ == "__main__":  # torchrun runs this file once per rank
     parser.add_argument("--out-dir", default="out_gpt", help="checkpoints and TensorBoard")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per copy of the "
                         "model (needs --parallel fsdp: 2-D)")
-    main(**vars(parser.parse_args()))
+    main(**vars(parser.parse_args()), dropout=0.0)  # your dropout: make_model gets it

@@ -50,13 +50,19 @@ def test_every_claim_holds_on_the_gpt():
     result = run_readme_command("python 11_train_gpt/prove.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
-    gaps = re.findall(r"\d\.\de[-+]\d\d", last_line_matching(r"^1\. float64", out))
-    assert len(gaps) == 4 and max(map(float, gaps)) <= 1e-10, gaps
-    assert last_line_matching(r"^2\. killed", out).endswith("DDP 0.0e+00, FSDP 0.0e+00")
-    counts = [item.split()[-1] for item in
-              last_line_matching(r"^4\. ", out).split("ranks): ", 1)[1].split(", ")]
+    one = last_line_matching(r"^1\. float64", out)
+    gaps = re.findall(r"\d\.\de[-+]\d\d", one)  # 4 runs' weights, then the gradient norms
+    assert len(gaps) == 5 and max(map(float, gaps)) <= 1e-10, gaps
+    assert one.endswith("micro-batches 1 and 2: DDP [0, 1], FSDP [0, 3]"), one  # K=2: once
+    assert last_line_matching(r"^2\. killed", out).endswith(
+        "DDP 0.0e+00, FSDP 0.0e+00; saves that made their files by renaming a whole temporary: "
+        "DDP 3 of 3, FSDP 3 of 3")
+    four = last_line_matching(r"^4\. ", out)
+    counts = [item.split()[-1] for item in four.split("ranks): ", 1)[1].split(";")[0].split(", ")]
     total = re.search(r"of \d+ samples: (\d+)", out).group(1)
     assert counts and set(counts) == {total}, counts
+    value = re.search(r"the mean loss at step 4 (\S+) from the lab's own sum", four).group(1)
+    assert float(value) <= 1e-8, four
     assert last_line_matching(r"^5\. ", out).endswith("DDP [1, 2, 3, 4, 5, 6], FSDP [1, 2, 3, 4, 5, 6]")
     tp = last_line_matching(r"^7\. ", out)
     assert "20 of 36 parameter tensors split over the tp ranks" in tp, tp  # q, k, v, mlp.0: weight
@@ -72,6 +78,10 @@ def test_autocast_on_the_wrong_device_fails_the_bf16_claim():
     assert result.returncode == 1, result.stderr[-3000:]
     assert "PROOF FAILED: NOT every claim holds (claim 6 fails)" in result.stdout
     assert "claim(s) 6 of 7" in result.stdout, "a break runs only the claims it breaks"
+    cause = result.stdout.splitlines()[-1]
+    assert cause.startswith("LIKELY CAUSE: autocast is off in DDP's bf16 run: it ends 0.0e+00 "
+                            "from float64"), cause
+    assert "torch.autocast(device.type, ...), as train_gpt.py line" in cause, cause
 
 
 def test_tensor_parallelism_switched_off_is_equal_and_still_fails_claim_7():
@@ -83,6 +93,8 @@ def test_tensor_parallelism_switched_off_is_equal_and_still_fails_claim_7():
     assert "0 of 36 parameter tensors split" in line, line
     assert max(map(float, re.findall(r"\d\.\de[-+]\d\d", line))) <= 1e-10, "equal, yet it fails"
     assert "PROOF FAILED: NOT every claim holds (claim 7 fails)" in result.stdout
+    assert result.stdout.splitlines()[-1].startswith(
+        "LIKELY CAUSE: the model's tensor_parallel() splits nothing: 0 of 36 parameter tensors")
 
 
 # --- the data: one stream, whatever the world size ----------------------------------------------
@@ -137,6 +149,9 @@ def test_dropout_seeded_by_the_global_rank_drifts_a_copys_ranks_apart_and_fails_
     apart = float(re.search(r"whole weights (\S+) apart", line).group(1))
     assert apart > 1e-6, line
     assert "PROOF FAILED: NOT every claim holds (claim 7 fails)" in result.stdout
+    assert result.stdout.splitlines()[-1].startswith(
+        "LIKELY CAUSE: a copy's tp ranks draw different dropout masks: with dropout 0.1 the ranks "
+        "of a copy end with different RNG states"), result.stdout[-1000:]
 
 
 def test_data_by_global_rank_gives_a_copys_two_tp_ranks_different_windows(prove, lesson,
@@ -309,38 +324,176 @@ def make_dataset(data, context):
 
 
 class CNN(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, dropout):
         super().__init__()
         self.blocks = torch.nn.ModuleList([torch.nn.Conv2d(1, 4, 3), torch.nn.Conv2d(4, 4, 3)])
-        self.head = torch.nn.Linear(4 * 4 * 4, 4)
+        self.drop, self.head = torch.nn.Dropout(dropout), torch.nn.Linear(4 * 4 * 4, 4)
 
     def forward(self, x):
         for block in self.blocks:
-            x = torch.relu(block(x))
-        return self.head(x.flatten(1))
+            x = F.max_pool2d(F.relu(block(x)), 1)
+        return self.head(self.drop(x.flatten(1)))
 
 
 def make_model(context, dropout, seed):
     torch.manual_seed(seed)
-    return CNN()
+    return CNN(dropout)
 '''
+
+MSE = '''
+def make_dataset(data, context):
+    """A regression: y = x . w + noise, 10 features, 300 samples train and 89 validate."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(389, 10, generator=g), torch.randn(10, generator=g)
+    pairs = list(zip(x, x @ w + 0.1 * torch.randn(389, generator=g)))
+    return pairs[:300], pairs[300:], "synthetic regression"
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, dropout):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(
+            torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Dropout(dropout))])
+        self.head = torch.nn.Linear(32, 1)  # (B, 1) for targets (B,): the loss views it as (B,)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_model(context, dropout, seed):
+    torch.manual_seed(seed)
+    return MLP(dropout)
+'''
+
+
+def copy_of_the_lesson(folder, functions, edits=()):
+    """The README's recipe: the folder copied, make_dataset and make_model replaced (and, for a
+    mistake, `edits`: (old, new) texts of the script)."""
+    shutil.copytree(FOLDER, folder, ignore=shutil.ignore_patterns("prove.py", "*.md", "*.png",
+                                                                  "__pycache__", "*.sbatch"))
+    script = (folder / "train_gpt.py").read_text()
+    start, end = script.index("def make_dataset("), script.index("def unigram_entropy(")
+    script = script[:start] + functions.lstrip() + "\n\n" + script[end:]
+    for old, new in edits:
+        assert script.count(old) == 1, old
+        script = script.replace(old, new)
+    (folder / "train_copy.py").write_text(script)
+    return folder / "train_copy.py"
 
 
 def test_a_cnn_on_fakedata_replaces_two_functions_and_the_lab_still_proves_it(tmp_path):
     """The README's recipe: copy the folder, replace make_dataset and make_model, nothing else;
-    the lab then proves claims 1 and 4 on the copy (2 ranks and 3 against one process)."""
+    the lab then proves every claim on the copy with no flag (claim 7 skipped: no plan for --tp),
+    and F stays torch's whole module (F.relu, F.max_pool2d) under the lab."""
     run_once_per_session("test_11_train_gpt.cnn")
-    copy = tmp_path / "my_project"
-    shutil.copytree(FOLDER, copy, ignore=shutil.ignore_patterns("prove.py", "*.md", "__pycache__"))
-    script = (copy / "train_gpt.py").read_text()
-    start, end = script.index("def make_dataset("), script.index("def unigram_entropy(")
-    (copy / "train_cnn.py").write_text(script[:start] + CNN.lstrip() + "\n\n" + script[end:])
+    copy = copy_of_the_lesson(tmp_path / "my_project", CNN)
     marker = uuid.uuid4().hex
-    result = run_lesson(LAB, "--lesson", copy / "train_cnn.py", "--claims", 1, 4, timeout=170,
-                        marker=marker)
+    result = run_lesson(LAB, "--lesson", copy, timeout=170, marker=marker)
     assert not kill_leftovers(marker), "the lab left processes running"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "of 37 samples: 37" in result.stdout and "PROOF PASSED" in result.stdout
+    assert "7. skipped: the model has no tensor_parallel()\n" in result.stdout
+
+
+def test_a_regression_with_squared_error_replaces_two_functions_and_the_lab_proves_it(tmp_path):
+    """Real-valued targets: the lesson's loss is the squared error, its output viewed as the
+    target; claim 4 checks the evaluation's value, not only its count."""
+    copy = copy_of_the_lesson(tmp_path / "regression", MSE)
+    marker = uuid.uuid4().hex
+    result = run_lesson(LAB, "--lesson", copy, "--claims", 1, 4, timeout=170, marker=marker)
+    assert not kill_leftovers(marker), "the lab left processes running"
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "of 89 samples: 89" in result.stdout and "PROOF PASSED" in result.stdout
+
+
+@pytest.fixture
+def graded(prove, world_of_one, tmp_path):
+    """Grades a copy of the lesson in this process (a world of one): the lab's lesson swapped for
+    the copy, and back, the same module object, after the test."""
+    before = prove.lesson, {name: sys.modules.get(name) for name in ("model", "checkpoint")}
+    path = list(sys.path)
+
+    def grade(functions, edits=(), checkpoint_edits=()):
+        copy = copy_of_the_lesson(tmp_path / f"copy{len(os.listdir(tmp_path))}", functions, edits)
+        source = (copy.parent / "checkpoint.py").read_text()
+        for old, new in checkpoint_edits:
+            assert source.count(old) == 1, old
+            source = source.replace(old, new)
+        (copy.parent / "checkpoint.py").write_text(source)
+        prove.use_lesson(str(copy))
+        return copy
+    yield grade
+    prove.lesson, sys.path[:] = before[0], path
+    for name, module in before[1].items():
+        sys.modules[name] = module
+
+
+def one_process(prove, tmp_path, capsys, **settings):
+    """The lab's one-process run of claims 1 and 4, here: what it measured."""
+    out = tmp_path / "lab"
+    out.mkdir(exist_ok=True)
+    kept = prove.in_this_process("one", prove.job("one", str(out), **{"batch_size": 24, **settings}),
+                                 None, str(out))
+    capsys.readouterr()
+    return kept
+
+
+def test_an_evaluation_that_adds_up_a_mean_per_batch_is_named(prove, graded, tmp_path, capsys):
+    """reduction left at "mean" in evaluate: every target counted, the value wrong (the issue's
+    0.0136 for 0.5786). The lab's own sum over every target, in this process, names it."""
+    graded(MSE, [('loss_fn(logits, y.to(device), reduction="sum")',
+                  "loss_fn(logits, y.to(device))")])
+    kept = one_process(prove, tmp_path, capsys)
+    value, forwards = kept["evaluated"][-1]
+    val_set = prove.lesson.make_dataset(None, 64)[1]
+    exact = prove.exact_evaluation(kept, val_set, 64)
+    assert kept["counted"] == [89] and forwards == 1 and abs(value * 89 - exact) < 1e-9 * exact
+    fits, cause = prove.mean_reduction_cause(value, forwards, exact, 89)
+    assert fits and cause.startswith(
+        f"evaluation adds up a mean per forward, not the loss of every target: one process reports "
+        f"{value:.4f} where the mean over the targets is {exact:.4f}"), cause
+
+
+def test_a_loss_that_broadcasts_b_1_against_b_is_named(prove, graded, tmp_path, capsys):
+    """mse_loss of a (B, 1) output against (B,) targets is a (B, B) loss: it trains, exits 0 and
+    passes a count; torch's warning, which the lab records, names it."""
+    graded(MSE, [("output.view(target.shape)", "output")])
+    kept = one_process(prove, tmp_path, capsys)
+    fits, cause = prove.broadcast_cause(kept["warnings"])
+    assert fits and cause.startswith(
+        'the loss broadcasts the output against the target: torch warned "Using a target size '
+        "(torch.Size([24])) that is different to the input size (torch.Size([24, 1]))"), cause
+
+
+def test_main_without_a_world_of_one_is_named_before_any_rank_starts(prove, graded, tmp_path,
+                                                                       capsys):
+    script = (FOLDER / "train_gpt.py").read_text()
+    block = script[script.index('    if "RANK" not in os.environ:'):
+                   script.index("    rank, world_size = int(")]
+    graded(CNN, [(block, "")])
+    with pytest.raises(prove.Diagnosed) as failed:
+        one_process(prove, tmp_path, capsys)
+    assert failed.value.args[1].startswith(
+        "no world-of-one set-up for plain python: main(), run with no torchrun variable in the "
+        "environment, raised KeyError: 'RANK'"), failed.value.args[1]
+
+
+def test_a_checkpoint_written_in_place_fails_claim_2_with_its_cause(prove, graded, tmp_path,
+                                                                    capsys):
+    """checkpoint.py writing the file it resumes from directly, no .tmp and rename: the lab sees
+    the save make its file with no os.replace or os.rename."""
+    graded(CNN, checkpoint_edits=[('with open(path + ".tmp", "wb") as f:',
+                                   'with open(path, "wb") as f:'),
+                                  ('fsync_rename(path + ".tmp", path)', "pass")])
+    kept = one_process(prove, tmp_path, capsys, **prove.RESTART)
+    assert kept["saves"][0][1] and kept["saves"][0][2] == [], kept["saves"]
+    runs = {"one": kept, "ddp-uninterrupted": kept, "fsdp-uninterrupted": kept}
+    code = prove.report({2}, runs, (0, {"ddp": kept, "fsdp": kept}), str(tmp_path), {})
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert code == 1 and last.startswith("LIKELY CAUSE: the checkpoint is written in place: the "
+                                         "save made step0000003-"), last
 
 
 # --- the lesson copied alone, and the command line ----------------------------------------------
