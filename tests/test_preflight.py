@@ -41,3 +41,44 @@ def test_an_unsupported_python_fails(preflight, monkeypatch):
     monkeypatch.setattr(preflight.sys, "version_info", (3, 10, 12))
     status, text = preflight.check_python()
     assert status == "FAIL" and "3.11 to 3.14" in text
+
+
+def test_the_python_line_names_the_interpreter_and_its_environment(preflight, monkeypatch):
+    status, text = preflight.check_python()
+    assert status == "ok" and f"at {preflight.sys.executable} (" in text
+    assert ("virtual environment " in text) == (preflight.sys.prefix != preflight.sys.base_prefix)
+    monkeypatch.setattr(preflight.sys, "prefix", preflight.sys.base_prefix)
+    assert preflight.check_python()[1].endswith("(no virtual environment active)")
+
+
+def test_packages_in_a_venv_that_is_not_active_are_not_reinstalled(preflight, monkeypatch, tmp_path, capsys):
+    """The issue's dry run: a new terminal, the venv not activated, told to reinstall 3 GB."""
+    venv = tmp_path / ".venv"
+    (venv / "lib" / "python3.11" / "site-packages" / "torch").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    monkeypatch.setattr(preflight, "ROOT", tmp_path)
+    monkeypatch.setattr(preflight.sys, "prefix", preflight.sys.base_prefix)  # no venv active
+    monkeypatch.setattr(preflight, "pins", lambda: {"no-such-package": "1.0"})
+    assert preflight.main() == 1
+    out = capsys.readouterr().out
+    assert "(no virtual environment active)" in out.splitlines()[0]
+    assert "which is not active: activate .venv with `. .venv/bin/activate`" in out
+    assert "pip install" not in out
+
+
+def test_a_missing_notebook_package_warns_and_the_machine_is_ready(preflight, monkeypatch, capsys):
+    """WORKSHOP.md: a missing Jupyter kernel is a WARN, only the notebooks need one."""
+    real = preflight.importlib.metadata.version
+
+    def version(name):
+        if name == "ipykernel":
+            raise preflight.importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+    monkeypatch.setattr(preflight.importlib.metadata, "version", version)
+    monkeypatch.setattr(preflight, "pins", lambda: {"ipykernel": "7.4.0"})
+    monkeypatch.setitem(preflight.sys.modules, "jupyter_client.manager", None)  # its import fails
+    monkeypatch.setattr(preflight, "CHECKS", [preflight.check_packages, preflight.check_kernel])
+    assert preflight.main() == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("WARN  not installed: ipykernel (the notebooks)")
+    assert lines[1].startswith("WARN  jupyter is not installed") and lines[2].startswith("READY")
