@@ -46,7 +46,7 @@ def test_the_install_command_installs_exact_versions():
                     reason="COURSE_UNPINNED=1: trying versions newer than the tested set")
 def test_this_environment_has_the_tested_versions():
     """The suite runs on the pinned set; on other versions a failure may be theirs, not the
-    course's (README: trying the newest versions)."""
+    course's (SETUP.md: trying the newest versions)."""
     wrong = []
     for name, version in pins("constraints.txt").items():
         try:

@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO, lesson_env, run_readme_command
 from lesson_diff import lesson_diff, split_hunks
 
-READMES = [REPO / "README.md", *sorted(REPO.glob("[0-9][0-9]_*/README.md"))]
+READMES = [REPO / "README.md", REPO / "SETUP.md", *sorted(REPO.glob("[0-9][0-9]_*/README.md"))]
 BLOCK = re.compile(r"(?:<!--\s*(?P<mark>[^\n]*?)\s*-->[ \t]*\n)?^```(?P<lang>[\w+-]*)[ \t]*\n(?P<body>.*?)^```", re.S | re.M)
 NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?"
 
