@@ -6,7 +6,8 @@ the backward pass, for three ways of averaging the gradients on 2 ranks, and the
 The ways: after backward (collectives.py's average_gradients: each bucket after backward returns),
 overlapping (overlap.py's hooks), and torch's DDP. The model is larger than the lessons' (6 layers
 of 512 x 512, 6.3 MB of gradients in buckets of 1.5 MB) so that there is something to overlap. gloo
-runs each all-reduce on a thread of its own, which the CPU trace shows as `gloo:all_reduce`.
+runs the all-reduces on a pool of worker threads (2 by default: ProcessGroupGloo's options), which
+the CPU trace shows as `gloo:all_reduce`.
 Writes one Chrome trace per way and rank (chrome://tracing or https://ui.perfetto.dev), times.json
 and overlap.png (the run in NOTES.md: overlap_times.json and overlap_timeline.png here). A CPU shares its 2 cores between computing and sending: what it shows is WHEN the
 all-reduces run; how much time overlap saves depends on the machine (on GPUs, NCCL uses its own
