@@ -525,3 +525,153 @@ def cause_of_rank_error(text):
     if mine:
         return f"{who} raised {what} in your file ({mine[0]} line {mine[1]}, in {mine[2]}): fix it there"
     return None
+
+
+# ------------------------------------------------------------------------- what a step did
+class StepTrace:
+    """What each optimizer step of a run saw and did, measured from outside the lesson (global
+    hooks: the lesson's code runs unchanged): the samples of the step's batch, as indices into
+    `dataset`, and the weights before the first step and after each (the first `keep` steps).
+    install() in the process (rank) that trains, state() after, for the lab's diagnosis."""
+
+    def __init__(self, dataset, keep=64):
+        first = dataset[0][0]
+        self.shape, self.dtype, self.keep = tuple(first.shape), first.dtype, keep
+        self.index = {}
+        for i in range(len(dataset)):
+            self.index.setdefault(self.key(dataset[i][0]), i)
+        self.steps, self.weights, self.seen, self.handles = [[]], [], set(), []
+
+    @staticmethod
+    def key(row):
+        return row.detach().to("cpu", torch.float64).numpy().tobytes()
+
+    def install(self):
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        self.handles = [register_module_forward_pre_hook(self.on_forward),
+                        register_optimizer_step_pre_hook(self.before_step),
+                        register_optimizer_step_post_hook(self.after_step)]
+        return self
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+    def on_forward(self, module, args):
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if (not module.training or x is None or id(x) in self.seen or x.dim() < 2
+                or tuple(x.shape[1:]) != self.shape):
+            return
+        indices = [self.index.get(self.key(row)) for row in x]
+        if all(i is not None for i in indices):
+            self.seen.add(id(x))
+            self.steps[-1].extend(indices)
+
+    @staticmethod
+    def flat(optimizer):
+        return torch.cat([p.detach().to("cpu", torch.float64).flatten()
+                          for group in optimizer.param_groups for p in group["params"]])
+
+    def before_step(self, optimizer, args, kwargs):
+        if not self.weights:
+            self.weights.append(self.flat(optimizer))
+
+    def after_step(self, optimizer, args, kwargs):
+        if len(self.weights) <= self.keep:
+            self.weights.append(self.flat(optimizer))
+        self.steps.append([])
+        self.seen = set()
+
+    def state(self):
+        """{"indices": each step's sample indices, "weights": [before step 1, after 1, ...]}."""
+        return {"indices": [s for s in self.steps if s] if self.steps[-1] == [] else self.steps,
+                "weights": torch.stack(self.weights) if self.weights else torch.zeros(0)}
+
+
+def first_apart(a, b, tolerance, names_and_sizes=()):
+    """(step, parameter name) where two weight traces first differ by more than `tolerance`
+    (step 0: the initial weights), or None."""
+    for step in range(min(len(a), len(b))):
+        gap = (a[step] - b[step]).abs()
+        if gap.max() > tolerance:
+            where, start = int(gap.argmax()), 0
+            for name, size in names_and_sizes:
+                if where < start + size:
+                    return step, name
+                start += size
+            return step, f"element {where}"
+    return None
+
+
+def data_parallel_cause(ranks, reference, expected, per_epoch, lines, tolerance,
+                        names_and_sizes=(), file=None):
+    """The likely cause of a data-parallel run that does not equal one process, from the runs'
+    StepTrace states: `ranks` (one per rank), `reference` (one process on the global batch),
+    `expected` (each rank's sample indices per step, as a correct DistributedSampler gives them),
+    `per_epoch` steps per epoch, and `lines` {"sampler", "set_epoch", "ddp", "loss", "data",
+    "model"}: where the lesson does each right (lesson_line). Prints and returns the line."""
+    world = len(ranks)
+    seen = [r["indices"] for r in ranks]
+    steps = min(len(s) for s in seen) if seen else 0
+    measured = []
+    if steps == 0:
+        return report_unknown("the lab saw no training step's batch (no forward of the data set's "
+                              "samples in training mode, or no optimizer step)", file)
+    same_everywhere = all(s[0] == seen[0][0] for s in seen)
+    right = [all(sorted(seen[r][t]) == sorted(expected[r][t]) for r in range(world))
+             for t in range(min(steps, len(expected[0])))]
+    epoch0 = slice(0, min(per_epoch, steps))
+    in_epoch0 = [i for s in seen for step in s[epoch0] for i in step]
+    repeats = len(in_epoch0) - len(set(in_epoch0))
+    first_wrong = right.index(False) if False in right else None
+    epoch1_repeats = steps > per_epoch and all(
+        sorted(seen[r][per_epoch + t]) == sorted(seen[r][t]) for r in range(world)
+        for t in range(min(per_epoch, steps - per_epoch)))
+    w = [r["weights"] for r in ranks]
+    ref = reference["weights"]
+    ranks_apart = max((first_apart(w[0], x, 0.0, names_and_sizes) or (None,))[0] or 0
+                      for x in w[1:]) if world > 1 else 0
+    ranks_agree = all(first_apart(w[0], x, 0.0) is None for x in w[1:])
+    leaves = first_apart(w[0], ref, tolerance, names_and_sizes)
+    ratio = None
+    if len(w[0]) > 1 and len(ref) > 1:
+        mine, theirs = (w[0][1] - w[0][0]).norm(), (ref[1] - ref[0]).norm()
+        ratio = float(mine / theirs) if theirs > 0 else None
+    measured.append("the ranks agree" if ranks_agree else f"the ranks part at step {ranks_apart}")
+    if leaves:
+        measured.append(f"they leave one process at step {leaves[0]}, first in {leaves[1]}")
+    if ratio is not None:
+        measured.append(f"the first update is {ratio:.2f} times one process's")
+    near = lambda value, target: value is not None and abs(value / target - 1) < 0.05  # noqa: E731
+    candidates = [
+        (world > 1 and same_everywhere,
+         f"every rank reads the same samples (step 1: {world} ranks, one batch): no "
+         f"DistributedSampler, or one not told num_replicas and rank; give the loader one "
+         f"({lines['sampler']})"),
+        (first_wrong is not None and repeats > 0 and first_wrong < per_epoch,
+         f"the ranks' samplers shuffle differently (a seed per rank?): in epoch 0, {repeats} "
+         f"sample(s) reach two ranks and as many none; the same seed on every rank "
+         f"({lines['sampler']})"),
+        (first_wrong is not None and first_wrong >= per_epoch and epoch1_repeats,
+         f"the sampler is not told the epoch (set_epoch): epoch 0 equals one process, epoch 1 "
+         f"repeats epoch 0's shuffle; call sampler.set_epoch(epoch) ({lines['set_epoch']})"),
+        (first_wrong is not None,
+         f"the ranks read other samples than DistributedSampler(seed=0) gives them, from step "
+         f"{(first_wrong or 0) + 1} on; compare the sampler and the loader ({lines['sampler']})"),
+        (leaves is not None and leaves[0] == 0,
+         f"the model starts from other weights than one process (step 0, {leaves[1]}): seed "
+         f"the model before building it ({lines['model']})"),
+        (not ranks_agree,
+         f"the gradients are not averaged across ranks: each rank read its right samples, but the "
+         f"ranks part at step {ranks_apart}; wrap the model in DDP and step outside no_sync "
+         f"({lines['ddp']})"),
+        (leaves is not None and near(ratio, world),
+         f"the gradient is {world} times too large: the first update is {ratio:.2f} times one "
+         f"process's (a loss multiplied by the world size, or gradients summed, not averaged); "
+         f"the plain mean loss, DDP averages ({lines['loss']})"),
+        (leaves is not None and ratio is not None and near(ratio, 1 / world),
+         f"the gradient is divided by {world} once too often: the first update is {ratio:.2f} "
+         f"times one process's; DDP already averages ({lines['loss']})"),
+    ]
+    return diagnose(candidates, "; ".join(measured), file)

@@ -65,10 +65,13 @@ def fingerprint(dataset):
     return digest.hexdigest()[:12]
 
 
-def keep_what_it_returns(function, kept):
-    """Wraps a lesson function so that the lab sees what it built; the lesson's code is unchanged."""
+def keep_what_it_returns(function, kept, traces=None):
+    """Wraps a lesson function so that the lab sees what it built; the lesson's code is unchanged.
+    traces: the data set made, a StepTrace of its samples starts (what each step reads and does)."""
     def wrapper(*args, **kwargs):
         kept.append(function(*args, **kwargs))
+        if traces is not None and not traces:
+            traces.append(course.StepTrace(kept[-1]).install())
         return kept[-1]
     return wrapper
 
@@ -81,8 +84,8 @@ def lab_worker(rank, world_size, port, backend, epochs, batch_size, lr, out_dir,
         lesson.DDP = DDPWithoutSync
     if broken == "unseeded-data":
         lesson.make_dataset = make_dataset_from_global_rng
-    datasets = []
-    lesson.make_dataset = keep_what_it_returns(lesson.make_dataset, datasets)
+    datasets, traces = [], []
+    lesson.make_dataset = keep_what_it_returns(lesson.make_dataset, datasets, traces)
     if rank == crash_rank:
         course.crash_at_step(rank, 2)
     try:
@@ -93,7 +96,8 @@ def lab_worker(rank, world_size, port, backend, epochs, batch_size, lr, out_dir,
         sys.stderr.flush()
         raise
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    torch.save({"state": state, "losses": losses, "data": fingerprint(datasets[0])},
+    trace = traces[0].state() if traces else {"indices": [], "weights": torch.zeros(0)}
+    torch.save({"state": state, "losses": losses, "data": fingerprint(datasets[0]), **trace},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -122,9 +126,46 @@ def train_reference(world_size, epochs, batch_size, lr, device):
     loader = DataLoader(dataset, batch_sampler=GlobalBatches(dataset, world_size, batch_size))
     model = single.make_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    with contextlib.redirect_stdout(io.StringIO()):  # its epoch lines would repeat the lesson's
-        single.train(model, loader, optimizer, epochs, device)
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    trace = course.StepTrace(dataset).install()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its epoch lines would repeat the lesson's
+            single.train(model, loader, optimizer, epochs, device)
+    finally:
+        trace.remove()
+    names = [(name, p.numel()) for name, p in model.named_parameters()]
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}, trace.state(), names
+
+
+def expected_samples(world_size, epochs, batch_size, samples=256):
+    """Each rank's sample indices per step, as DistributedSampler(seed=0) with set_epoch gives."""
+    dataset = range(samples)
+    per_rank = []
+    for rank in range(world_size):
+        sampler, steps = DistributedSampler(dataset, world_size, rank, seed=0), []
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            steps += [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        per_rank.append(steps)
+    return per_rank
+
+
+LINES = {"sampler": "DistributedSampler(dataset, num_replicas", "set_epoch": "set_epoch(epoch)",
+         "ddp": "model = DDP(", "loss": "cross_entropy(model(x), y)",
+         "model": "torch.manual_seed(seed)", "data": "torch.Generator().manual_seed(seed)"}
+
+
+def likely_cause(ranks, reference, names, args):
+    """The failure's likely cause, from what the ranks and one process measurably did."""
+    lines = {k: course.lesson_line("02_ddp_spawn/ddp_spawn.py", v) for k, v in LINES.items()}
+    if len({r["data"] for r in ranks}) > 1:
+        return course.report_cause(
+            "each rank built other data (the data sets' bytes differ between ranks): make_dataset "
+            f"draws from the global RNG, which every spawned process seeds its own way; draw from "
+            f"a seeded torch.Generator ({lines['data']})")
+    return course.data_parallel_cause(
+        ranks, reference, expected_samples(args.world_size, args.epochs, args.batch_size),
+        steps_per_rank(args.world_size, 1, args.batch_size), lines, TOLERANCE, names)
 
 
 def steps_per_rank(world_size, epochs, batch_size, samples=256):
@@ -169,20 +210,27 @@ def main(argv=None):
         seconds = time.perf_counter() - start
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), map_location="cpu", weights_only=True)
                  for r in range(args.world_size)]
-    reference = train_reference(args.world_size, args.epochs, args.batch_size, args.lr,
-                                torch.device("cuda:0" if device == "cuda" else "cpu"))
+    reference, traced, names = train_reference(
+        args.world_size, args.epochs, args.batch_size, args.lr,
+        torch.device("cuda:0" if device == "cuda" else "cpu"))
     between = max(course.max_abs_diff(ranks[0]["state"], r["state"]) for r in ranks)
     vs_single = course.max_abs_diff(ranks[0]["state"], reference)
     print(f"training took {seconds:.1f} s on {course.hardware()}")
+    first = [sorted(r["indices"][0]) if r["indices"] else None for r in ranks]
     print("each rank's own loss at the last step: "
-          + ", ".join(f"{r['losses'][-1]:.4f}" for r in ranks) + " (each rank saw other samples)")
+          + ", ".join(f"{r['losses'][-1]:.4f}" for r in ranks) + (
+              " (each rank saw other samples)" if len({str(f) for f in first}) == len(first)
+              else " (the ranks saw the SAME samples at step 1)"))
     passed = between == 0.0 and vs_single <= TOLERANCE
-    return course.report_proof(
+    code = course.report_proof(
         passed, f"{args.world_size} ranks end with {'identical' if between == 0.0 else 'DIFFERENT'} "
         f"weights, {'equal' if vs_single <= TOLERANCE else 'NOT equal'} to lesson 00 trained in one "
         f"process on the global batch of {args.world_size * args.batch_size}",
         f"max |dw| between ranks {between:.1e}, against one process {vs_single:.1e}", f"{TOLERANCE:.0e}")
+    if code:
+        likely_cause(ranks, traced, names, args)
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

@@ -3,6 +3,7 @@
 Command-line runs are what a user sees (the lab's proof, its breaks, a crashed rank, the lesson
 copied alone); the lab's pieces are tested in-process, where no rank has to start."""
 import itertools
+import re
 import shutil
 
 import pytest
@@ -11,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from conftest import (assert_help_in_process, assert_refused_in_process,
                       load_script, REPO, assert_crashed_rank_stops_the_run, last_line_matching, number_after,
-                      run_readme_command)
+                      run_readme_command, start_lesson)
 
 LAB = "02_ddp_spawn/prove.py"
 LESSON = "02_ddp_spawn/ddp_spawn.py"
@@ -52,16 +53,60 @@ def test_three_ranks_in_one_launch(lesson):
     assert "global batch of 48" in result.stdout
 
 
-@pytest.mark.parametrize("name, ranks_identical", [("no-sync", False), ("unseeded-data", True)])
-def test_each_break_fails_the_proof(name, ranks_identical):
+@pytest.mark.parametrize("name, ranks_identical, cause", [
+    ("no-sync", False, "LIKELY CAUSE: the gradients are not averaged across ranks"),
+    ("unseeded-data", True, "LIKELY CAUSE: each rank built other data")])
+def test_each_break_fails_the_proof_and_names_its_cause(name, ranks_identical, cause):
     result = run_readme_command(f"python {LAB} --break {name}")  # shared with the README's block
     assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1].startswith(cause), result.stdout[-2000:]
     passed, between, vs_single = proof(result.stdout)
     assert not passed
     assert vs_single > 1e-3, "a broken run must be far from one process, not at rounding level"
     # no-sync: each rank steps on its own gradient, so the replicas drift apart. unseeded-data:
     # DDP still averages the gradients, so the replicas agree, on the wrong (mixed) data.
     assert (between == 0.0) == ranks_identical
+
+
+# A learner's typical mistakes (issue 31), each made in the lesson and given to the lab with
+# --lesson, all at once (about 20 s on 2 cores); the lab names each from what the run did.
+MISTAKES = {
+    "seed=rank": (("rank=rank, seed=0)", "rank=rank, seed=rank)"),),
+    "loss x N": (("cross_entropy(model(x), y)", "cross_entropy(model(x), y) * dist.get_world_size()"),),
+    "no sampler": (("sampler=sampler,", "shuffle=True,"),
+                   ("loader.sampler.set_epoch(epoch)", "pass  # set_epoch(epoch)")),
+    "crash": (("losses.append(loss.item())", "losses.append(loss.item() / 0 if epoch else 0)"),),
+}
+CAUSES = {
+    "seed=rank": r"^LIKELY CAUSE: the ranks' samplers shuffle differently \(a seed per rank\?\): "
+                 r"in epoch 0, \d+ sample\(s\) reach two ranks .* \(ddp_spawn.py line \d+\)$",
+    "loss x N": r"^LIKELY CAUSE: the gradient is 2 times too large: the first update is 2.00 times",
+    "no sampler": r"^LIKELY CAUSE: every rank reads the same samples \(step 1: 2 ranks, one batch\)",
+    "crash": r"^LIKELY CAUSE: rank \d raised ZeroDivisionError: .* in your file \(my_crash.py line "
+             r"\d+, in train\): fix it there$",
+}
+
+
+@pytest.mark.timeout(480)
+def test_each_typical_mistake_is_named_in_one_line(tmp_path):
+    text = (REPO / LESSON).read_text()
+    started = {}
+    for name, edits in MISTAKES.items():
+        mine = text
+        for old, new in edits:
+            assert mine.count(old) == 1, old
+            mine = mine.replace(old, new)
+        path = tmp_path / f"my_{name.split()[0].replace('=', '_')}.py"
+        path.write_text(mine)
+        started[name] = start_lesson(LAB, "--lesson", path)
+    outputs = {}
+    for name, proc in started.items():
+        outputs[name] = out, err = proc.communicate(timeout=450)
+        assert proc.returncode == 1, (name, out[-2000:], err[-2000:])
+        last = (err if name == "crash" else out).strip().splitlines()[-1]
+        assert re.search(CAUSES[name], last), (name, last)
+    assert "(the ranks saw the SAME samples at step 1)" in outputs["no sampler"][0]
+    assert "(each rank saw other samples)" in outputs["seed=rank"][0]
 
 
 def test_a_crashed_rank_stops_the_run(lesson):
