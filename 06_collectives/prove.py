@@ -133,6 +133,32 @@ def check_ring(device, sizes=RING_SIZES):
     return rows
 
 
+def probe_averaging(device, bucket_kb):
+    """The lesson's make_buckets and average_gradients on the lesson's model, every gradient set to
+    rank + 1: {parameter: what came back, as a multiple of the mean (n + 1) / 2}, and the names of
+    the parameters that no bucket holds."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = lesson.make_model().to(device)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, rank + 1.0)
+    buckets = lesson.make_buckets(list(model.parameters()), bucket_kb * 1024)
+    held = {id(p) for bucket in buckets for p in bucket}
+    lesson.average_gradients(buckets, n, dist.all_reduce)
+    return {"ratio": {name: p.grad.mean().item() / ((n + 1) / 2) for name, p in
+                      model.named_parameters()},
+            "unbucketed": [name for name, p in model.named_parameters() if id(p) not in held]}
+
+
+def probe_ring(device, numel=7):
+    """The lesson's ring on x = 2**rank everywhere: how many ranks' parts each element holds
+    (the bits of the sum), fewest and most."""
+    x = torch.full((numel,), 2.0 ** dist.get_rank(), device=device)
+    lesson.ring_all_reduce(x)
+    parts = [bin(int(v)).count("1") if 0 < v < 2 ** dist.get_world_size() and v == int(v) else 0
+             for v in x.tolist()]
+    return min(parts), max(parts)
+
+
 def tour(device):
     """Every collective on tiny tensors: {name: (this rank's input, its output)}, on the CPU."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -194,12 +220,13 @@ def lab_worker(rank, world_size, ports, backend, epochs, batch_size, lr, bucket_
                                              lr, timeout)
         with process_group(rank, world_size, ports[4], backend, timeout) as device:
             ring, seen = check_ring(device), tour(device)
+            probe = {**probe_averaging(device, bucket_kb), "ring": probe_ring(device)}
     except BaseException:  # print this rank's own error first: mp.spawn may report a peer's
         traceback.print_exc()
         sys.stderr.flush()
         raise
     torch.save({"states": states, "buckets": buckets, "ddp": state_of(ddp_model), "ring": ring,
-                "tour": seen}, os.path.join(out_dir, f"rank{rank}.pt"))
+                "tour": seen, "probe": probe}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def ring_worker(rank, world_size, port, backend, out_dir, broken, timeout):
@@ -207,7 +234,9 @@ def ring_worker(rank, world_size, port, backend, out_dir, broken, timeout):
     install_break(broken)
     with process_group(rank, world_size, port, backend, timeout) as device:
         rows = check_ring(device)
+        parts = probe_ring(device)
     torch.save(rows, os.path.join(out_dir, f"ring{world_size}_rank{rank}.pt"))
+    torch.save(parts, os.path.join(out_dir, f"ring{world_size}_parts{rank}.pt"))
 
 
 def trace_worker(rank, world_size, port, out_dir):
@@ -245,10 +274,14 @@ def run_training(world_size=2, epochs=2, batch_size=16, lr=0.05, bucket_kb=4, ba
                 for r in range(world_size)]
 
 
-def run_ring(world_size, backend="gloo", broken=None, timeout=60):
+def run_ring(world_size, backend="gloo", broken=None, timeout=60, parts=None):
+    """The ring checks at world_size; `parts`, a dict, gets {world_size: each rank's probe_ring}."""
     with tempfile.TemporaryDirectory(prefix="prove06_") as out_dir:
         course.spawn_or_fail(ring_worker, (world_size, course.find_free_port(), backend, out_dir,
                                            broken, timeout), world_size)
+        if parts is not None:
+            parts[world_size] = [torch.load(os.path.join(out_dir, f"ring{world_size}_parts{r}.pt"))
+                                 for r in range(world_size)]
         return [torch.load(os.path.join(out_dir, f"ring{world_size}_rank{r}.pt"), weights_only=True)
                 for r in range(world_size)]
 
@@ -399,16 +432,17 @@ def main(argv=None):
                          backend, args.broken, args.crash_rank, args.timeout)
     by_world = {args.world_size: [r["ring"] for r in ranks]} if args.world_size in \
         args.ring_world_sizes else {}
+    parts = {args.world_size: [r["probe"]["ring"] for r in ranks]}
     for n in sizes:
         print(f"ring at {n} ranks: backend {backends[n][0]} ({backends[n][2]})", flush=True)
-        by_world[n] = run_ring(n, backends[n][0], args.broken, args.timeout)
+        by_world[n] = run_ring(n, backends[n][0], args.broken, args.timeout, parts)
     print(f"the ranks ran in {time.perf_counter() - start:.1f} s on {course.hardware()}")
     mismatches = report_tour(ranks)
     between, vs_ddp = report_training(ranks, args.bucket_kb, args.epochs)
     worst, bytes_ok = report_ring(by_world)
     trained_ok, ring_ok = between == 0.0 and vs_ddp <= TOLERANCE, worst <= TOLERANCE and bytes_ok
     ns = ", ".join(map(str, sorted(by_world)))
-    return course.report_proof(
+    code = course.report_proof(
         trained_ok and ring_ok and mismatches == 0,
         f"gradients averaged by hand give {'identical' if between == 0.0 else 'DIFFERENT'} ranks, "
         f"{'equal' if vs_ddp <= TOLERANCE else 'NOT equal'} to DDP; the ring "
@@ -417,7 +451,47 @@ def main(argv=None):
         f"{mismatches} collective output(s) unexpected",
         f"max |dw| between ranks {between:.1e}, against DDP {vs_ddp:.1e}, max |ring - all_reduce| "
         f"{worst:.1e}", f"{TOLERANCE:.0e}")
+    if code:
+        likely_cause(ranks, parts, between, vs_ddp, worst, mismatches)
+    return code
+
+
+def likely_cause(ranks, parts, between, vs_ddp, worst, mismatches):
+    """The last line of a failure: which typical mistake the measurements (the probes of the
+    lesson's functions, the runs) fit, never read from the learner's source; else what was
+    measured."""
+    where = lambda text: course.lesson_line("06_collectives/collectives.py", text)  # noqa
+    n = len(ranks)
+    probe = ranks[0]["probe"]
+    ratios = probe["ratio"]
+    own = [k for k, r in ratios.items() if abs(r - 1 / ((n + 1) / 2)) < 1e-6]  # rank 0's own
+    summed = n > 1 and all(abs(r - n) < 1e-4 for r in ratios.values())
+    short = {m: (min(p[0] for p in ps), max(p[1] for p in ps)) for m, ps in parts.items()
+             if min(p[0] for p in ps) < m}
+    measured = (f"the ranks {'agree' if between == 0.0 else f'differ by {between:.1e}'}, "
+                f"{vs_ddp:.1e} from DDP; average_gradients gives "
+                + ", ".join(f"{k} {r:.2f}" for k, r in list(ratios.items())[:2])
+                + " times the mean; the ring " + ("equals dist.all_reduce" if worst <= TOLERANCE
+                                                   else f"is {worst:.1e} off")
+                + f"; {mismatches} collective output(s) unexpected")
+    ring_cause = ""
+    if short:
+        m, (few, most) = max(short.items())  # the largest ring checked
+        ring_cause = (f"the ring loses ranks' parts: on x = 2**rank at N = {m}, its elements "
+                      f"hold {few} to {most} of the {m} ranks' parts; every one of its 2(N-1) "
+                      f"steps must send a chunk and add (reduce-scatter) or keep (all-gather) what "
+                      f"arrives ({where('for step in range(2 * (n - 1))')})")
+    course.diagnose([
+        (bool(ring_cause), ring_cause),
+        (summed, f"the gradients are summed, never divided by N = {n}: average_gradients gives "
+                 f"{ratios[next(iter(ratios))]:.2f} times the mean of the ranks' gradients; "
+                 f"divide the all-reduced sum by the world size ({where('flat /= world_size')})"),
+        (n > 1 and bool(probe["unbucketed"] or own),
+         f"a bucket is never all-reduced: no bucket holds {', '.join(probe['unbucketed'] or own)}, "
+         f"where each rank keeps its own gradient, so the ranks drift apart ({between:.1e}); "
+         f"make_buckets must return every parameter with a gradient ({where('return buckets')})"),
+    ], measured)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

@@ -110,14 +110,23 @@ def test_the_default_run_proves_every_claim():
     assert rows[4, 1000][0] == [6000] * 4, "2(N-1)/N * S = 1.5 x 4000 bytes at N = 4"
 
 
-@pytest.mark.parametrize("command, ranks_identical, ring_fails", [
-    (f"python {LAB} --break no-divide --ring-world-sizes 2", True, False),
-    (f"python {LAB} --break forget-last-bucket --ring-world-sizes 2", False, False),
-    (f"python {LAB} --break ring-skips-a-step --ring-world-sizes 3", True, True),  # the README's
+@pytest.mark.parametrize("command, ranks_identical, ring_fails, cause", [
+    (f"python {LAB} --break no-divide --ring-world-sizes 2", True, False,
+     "LIKELY CAUSE: the gradients are summed, never divided by N = 2: average_gradients gives 2.00 "
+     "times the mean of the ranks' gradients; divide the all-reduced sum by the world size "
+     "(collectives.py line 51)"),
+    (f"python {LAB} --break forget-last-bucket --ring-world-sizes 2", False, False,
+     "LIKELY CAUSE: a bucket is never all-reduced: no bucket holds 0.weight, where each rank keeps "
+     "its own gradient, so the ranks drift apart ("),
+    (f"python {LAB} --break ring-skips-a-step --ring-world-sizes 3", True, True,  # the README's
+     "LIKELY CAUSE: the ring loses ranks' parts: on x = 2**rank at N = 3, its elements hold 1 to 1 "
+     "of the 3 ranks' parts; every one of its 2(N-1) steps must send a chunk and add "
+     "(reduce-scatter) or keep (all-gather) what arrives (collectives.py line 72)"),
 ])
-def test_each_break_fails_the_proof(command, ranks_identical, ring_fails):
+def test_each_break_fails_the_proof_and_names_its_cause(command, ranks_identical, ring_fails, cause):
     result = run_readme_command(command)
     assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1].startswith(cause), result.stdout[-1000:]
     passed, between, vs_ddp, ring = proof(result.stdout)
     assert not passed
     assert vs_ddp > 1e-3, "a broken run must be far from DDP, not at rounding level"
