@@ -677,17 +677,15 @@ def report(wanted, runs, killed, out_dir, facts):
         ratio = {n: (first[n] or [None])[0] for n in names}
         causes.append((all(ratio.values()) and all(abs(ratio[n] - 1) < 1e-6 for n in (
             "ddp", "fsdp")) and all(abs(ratio[n] - 2) < 2e-2 for n in ("ddp-k2", "fsdp-k2")),
-            f"the loss is not divided by the number of micro-batches: with 2 micro-batches the "
-            f"first step's gradient norm is {ratio['ddp-k2'] or 0:.2f} times one process's "
-            f"(DDP; FSDP {ratio['fsdp-k2'] or 0:.2f}; with 1 micro-batch "
-            f"{ratio['ddp'] or 0:.2f}); backpropagate loss / len(batches), as "
+            f"the loss is not divided by the micro-batches: with 2, the first step's gradient "
+            f"norm is {ratio['ddp-k2'] or 0:.2f} times one process's (FSDP "
+            f"{ratio['fsdp-k2'] or 0:.2f}; with 1: {ratio['ddp'] or 0:.2f}); backpropagate "
+            f"loss / len(batches), as "
             f"{course.lesson_line(LESSON_PATH, '(loss / len(batches)).backward()')} does"))
         causes.append((any(len(s) > 1 and sum(s[:-1]) > 0 for s in syncs.values()),
-                       f"the gradients are reduced after every micro-batch, not once on the last: "
-                       f"step 1's reductions in micro-batches 1 and 2, DDP {syncs['ddp']} "
-                       f"(all-reduces), FSDP {syncs['fsdp']} (reduce-scatters), where 0 belongs "
-                       f"before the last; run all but the last in model.no_sync() (FSDP: "
-                       f"set_requires_gradient_sync(last)), as "
+                       f"the gradients are reduced after every micro-batch: step 1's reductions "
+                       f"per micro-batch DDP {syncs['ddp']}, FSDP {syncs['fsdp']}, 0 expected "
+                       f"before the last; model.no_sync() (FSDP: set_requires_gradient_sync), as "
                        f"{course.lesson_line(LESSON_PATH, 'model.no_sync()')} does"))
         unknown.append(f"claim 1: final weights {max(gaps):.1e} from one process, largest in "
                        f"{largest(runs['ddp'], one)}; gradient norms {norms:.1e} apart, first at "
@@ -714,19 +712,15 @@ def report(wanted, runs, killed, out_dir, facts):
         lost = [p for p, (load, at_save) in loads.items()
                 if load and load[0] in at_save and load[1] != at_save[load[0]]]
         causes.append((lost, f"the resumed ranks do not restore their RNG states: after loading "
-                       f"step {RESTART['every']}, {' and '.join(p.upper() for p in lost)} rank "
-                       f"0's RNG state is not the one it saved there, so dropout draws other "
-                       f"masks ({max(resumed):.1e} from the uninterrupted run); set each "
-                       f"data-parallel rank's saved state back, as "
-                       f"{course.lesson_line(CHECKPOINT_PATH, 'torch.set_rng_state(')}"
-                       f" does"))
+                       f"step {RESTART['every']}, rank 0's differs from the one it saved there "
+                       f"({' and '.join(p.upper() for p in lost)}), so dropout draws other masks; "
+                       f"set each data-parallel rank's back, as "
+                       f"{course.lesson_line(CHECKPOINT_PATH, 'torch.set_rng_state(')} does"))
         made = f"{', '.join(in_place[0][1])} ({in_place[0][0].upper()})" if in_place else ""
         causes.append((in_place, f"the checkpoint is written in place: the save made {made} "
-                       f"without renaming a whole temporary (no os.replace or os.rename made it), "
-                       f"so a crash mid-save leaves the newest checkpoint damaged; write NAME.tmp, "
-                       f"then os.replace it, as "
-                       f"{course.lesson_line(CHECKPOINT_PATH, 'os.replace(tmp, path)')}"
-                       f" does"))
+                       f"with no os.replace or os.rename, so a crash mid-save damages the newest; "
+                       f"write NAME.tmp, then os.replace it, as "
+                       f"{course.lesson_line(CHECKPOINT_PATH, 'os.replace(tmp, path)')} does"))
         unknown.append(f"claim 2: torchrun exit {code}; resumed DDP {resumed[0]:.1e}, FSDP "
                        f"{resumed[1]:.1e}; RNG states restored: {'no' if lost else 'yes'}")
     if 3 in wanted:
@@ -816,17 +810,14 @@ def report(wanted, runs, killed, out_dir, facts):
         causes.append(data_cause(data_mismatch(runs["fsdp-tp"], one, tp=2)))
         rngs = [r["rng"] for r in runs["tp-dropout"]["ranks"]]
         causes.append((apart > 0 and any(rngs[r] != rngs[r - r % 2] for r in range(len(rngs))),
-                       f"a copy's tp ranks draw different dropout masks: with dropout 0.1 the "
-                       f"ranks of a copy end with different RNG states, and the weights both hold "
-                       f"whole drift {apart:.1e} apart; seed dropout by the data-parallel rank "
-                       f"(the copy), not the global rank, as "
+                       f"a copy's tp ranks draw different dropout masks: they end with different "
+                       f"RNG states, and the weights both hold whole drift {apart:.1e} apart; seed "
+                       f"by the data-parallel rank, as "
                        f"{course.lesson_line(LESSON_PATH, 'torch.manual_seed(seed + 1 + dp_rank)')}"
                        f" does"))
         causes.append((not split["split"], f"the model's tensor_parallel() splits nothing: 0 of "
-                       f"{split['tensors']} parameter tensors are sharded over the tp ranks, so "
-                       f"each rank of a copy holds and computes the whole model; its plan must "
-                       f"parallelize_module the blocks (model.py's GPT.tensor_parallel), and wrap "
-                       f"must call it, as "
+                       f"{split['tensors']} parameter tensors are sharded over the tp ranks; "
+                       f"parallelize_module the blocks (model.py's plan), called by wrap as "
                        f"{course.lesson_line(LESSON_PATH, 'model.tensor_parallel(mesh')} does"))
         unknown.append(f"claim 7: --tp 2 {tp[0]:.1e} from one process, resumed {tp[1]:.1e}, "
                        f"{len(split['split'])} tensors split, a copy's ranks {apart:.1e} apart")
@@ -844,11 +835,10 @@ def report(wanted, runs, killed, out_dir, facts):
 
 def broadcast_cause(warned):
     """(fits, cause): torch's warning that a loss broadcast its output against its target."""
-    said = next((w for w in warned if "different to the input size" in w), None)
+    said = next((w.split(". ")[0] for w in warned if "different to the input size" in w), None)
     return said, (f"the loss broadcasts the output against the target: torch warned \"{said}\": "
-                  f"a (B, 1) output against (B,) targets is a (B, B) loss, every output against "
-                  f"every target; view the output as the target, as "
-                  f"{course.lesson_line(LESSON_PATH, 'output.view(target.shape)')} does")
+                  f"a (B, B) loss, every output against every target; view the output as the "
+                  f"target, as {course.lesson_line(LESSON_PATH, 'output.view(target.shape)')} does")
 
 
 def mean_reduction_cause(value, forwards, exact, targets):
@@ -856,10 +846,9 @@ def mean_reduction_cause(value, forwards, exact, targets):
     reports the exact mean times forwards / targets."""
     share = value / exact if exact else 0.0
     return bool(exact and share < 0.5 and 0.5 < share / (forwards / targets) < 2), (
-        f"evaluation adds up a mean per forward, not the loss of every target: one process "
-        f"reports {value:.4f} where the mean over the targets is {exact:.4f} ({share:.4f} of it, "
-        f"as {forwards} forward(s) / {targets} targets = {forwards / targets:.4f}: each forward's "
-        f"mean, summed, then divided by the targets); sum the loss (reduction=\"sum\"), as "
+        f"evaluation adds up a mean per forward: one process reports {value:.4f}, the mean over "
+        f"the targets is {exact:.4f} ({share:.4f} of it = {forwards} forward(s) / {targets} "
+        f"targets); sum the loss (reduction=\"sum\"), as "
         f"{course.lesson_line(LESSON_PATH, SUMMED)} does")
 
 

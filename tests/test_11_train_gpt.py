@@ -150,8 +150,8 @@ def test_dropout_seeded_by_the_global_rank_drifts_a_copys_ranks_apart_and_fails_
     assert apart > 1e-6, line
     assert "PROOF FAILED: NOT every claim holds (claim 7 fails)" in result.stdout
     assert result.stdout.splitlines()[-1].startswith(
-        "LIKELY CAUSE: a copy's tp ranks draw different dropout masks: with dropout 0.1 the ranks "
-        "of a copy end with different RNG states"), result.stdout[-1000:]
+        "LIKELY CAUSE: a copy's tp ranks draw different dropout masks: they end with different "
+        "RNG states"), result.stdout[-1000:]
 
 
 def test_data_by_global_rank_gives_a_copys_two_tp_ranks_different_windows(prove, lesson,
@@ -434,8 +434,8 @@ def one_process(prove, tmp_path, capsys, **settings):
     """The lab's one-process run of claims 1 and 4, here: what it measured."""
     out = tmp_path / "lab"
     out.mkdir(exist_ok=True)
-    kept = prove.in_this_process("one", prove.job("one", str(out), **{"batch_size": 24, **settings}),
-                                 None, str(out))
+    settings = {"batch_size": 24, **settings}
+    kept = prove.in_this_process("one", prove.job("one", str(out), **settings), None, str(out))
     capsys.readouterr()
     return kept
 
@@ -452,8 +452,9 @@ def test_an_evaluation_that_adds_up_a_mean_per_batch_is_named(prove, graded, tmp
     assert kept["counted"] == [89] and forwards == 1 and abs(value * 89 - exact) < 1e-9 * exact
     fits, cause = prove.mean_reduction_cause(value, forwards, exact, 89)
     assert fits and cause.startswith(
-        f"evaluation adds up a mean per forward, not the loss of every target: one process reports "
-        f"{value:.4f} where the mean over the targets is {exact:.4f}"), cause
+        f"evaluation adds up a mean per forward: one process reports {value:.4f}, the mean over "
+        f"the targets is {exact:.4f} ({value / exact:.4f} of it = 1 forward(s) / 89 "
+        f"targets)"), cause
 
 
 def test_a_loss_that_broadcasts_b_1_against_b_is_named(prove, graded, tmp_path, capsys):
