@@ -60,3 +60,35 @@ def test_a_chosen_set_of_lessons_and_an_unknown_lesson(deck, tmp_path, capsys):
         maker.main(["--lessons", "12", "--out-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert refused.value.code == 2 and "no lesson 12: the lessons are 00 01" in err
+
+
+def test_every_code_slide_fits_1280_by_720(deck):
+    """Issue 32: the labs' PROOF lines were 197 to 338 characters wide, and a code slide was held
+    to 22 lines by count only. Now no line is wider than WIDTH, 105 characters (107 fit in a
+    Chromium screenshot at 1280 x 720), and no slide shows more than MAX_LINES lines of its block
+    (22 fit under a title and a command), wrapped lines counted."""
+    maker, out = deck
+    nb = nbformat.read(out / "workshop.ipynb", as_version=4)
+    blocks = 0
+    for cell in nb.cells:
+        shown = re.findall(r"^```(\w*)\n(.*?)^```", cell.source, re.S | re.M)
+        for lang, body in shown:
+            lines = body.rstrip("\n").split("\n")
+            assert max(map(len, lines)) <= maker.WIDTH, (cell.source.splitlines()[0], max(lines, key=len))
+        if shown:
+            blocks += 1
+            assert len(shown[-1][1].rstrip("\n").split("\n")) <= maker.MAX_LINES, cell.source.splitlines()[0]
+    assert blocks > 30
+    assert maker.wrapped("x") == ["x"]
+    long = "PROOF PASSED: " + "word " * 60
+    assert [len(piece) <= maker.WIDTH for piece in maker.wrapped(long)] == [True] * 4  # 314 wide
+    assert " ".join(piece.strip() for piece in maker.wrapped(long)).split() == long.split()
+
+
+def test_the_three_hour_workshops_lessons_are_in_one_order():
+    """make_slides.py's docstring and WORKSHOP.md give the same command, in the agenda's order."""
+    find = lambda text: re.findall(r"python slides/make_slides\.py --lessons ([\d ]+?)\s+#", text)  # noqa: E731
+    workshop, maker = find((REPO / "WORKSHOP.md").read_text()), find(MAKER.read_text())
+    assert workshop == maker == ["00 02 04 05 07"], (workshop, maker)
+    agenda = (REPO / "WORKSHOP.md").read_text().split("## The 3-hour workshop")[1].split("## The 1-day")[0]
+    assert re.findall(r"\*\*(\d\d)\*\*", agenda) == workshop[0].split()
