@@ -671,7 +671,7 @@ def report(wanted, runs, killed, out_dir, facts):
               f"process's (relative); step 1's gradient reductions in micro-batches 1 and 2: "
               f"DDP {syncs['ddp']}, FSDP {syncs['fsdp']}")
         passed[1] = max(gaps) <= FLOAT64_TOL and norms <= FLOAT64_TOL and once
-        measured.append(f"float64 {max(gaps):.1e}")
+        measured += [f"float64 {max(gaps):.1e}", f"gradient norms {norms:.1e}"]
         data = next(filter(None, (data_mismatch(runs[n], one) for n in names)), None)
         causes.append(data_cause(data))
         ratio = {n: (first[n] or [None])[0] for n in names}
