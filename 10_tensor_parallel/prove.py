@@ -155,6 +155,8 @@ def measuring(train, kept):
         arguments = inspect.signature(train).bind(*args, **kwargs).arguments
         model, loader, optimizer = arguments["model"], arguments["loader"], arguments["optimizer"]
         kept.update(measure_step(model, loader, arguments["device"]))
+        kept["batches"] = [None] * dist.get_world_size()  # each rank's first batch, for the cause
+        dist.all_gather_object(kept["batches"], list(loader.sampler)[:loader.batch_size])
         losses = train(*args, **kwargs)
         kept.update(weights=whole(model), losses=losses, batch_size=loader.batch_size,
                     lr=optimizer.param_groups[0]["lr"])
@@ -393,7 +395,7 @@ def report(runs, cp, args, device):
     equal = max(worst.values()) <= TOLERANCE
     cp_equal = max(cp_forward, cp_gradients) <= TOLERANCE
     passed = equal and collectives_agree and params_agree and checkpointing_saves and cp_equal
-    return course.report_proof(
+    code = course.report_proof(
         passed,
         f"TP, SP and 2-D {'equal' if equal else 'do NOT equal'} one process; their collectives "
         f"{'are' if collectives_agree else 'are NOT'} the formula's; parameters per rank "
@@ -402,6 +404,64 @@ def report(runs, cp, args, device):
         f"context parallel attention {'equals' if cp_equal else 'does NOT equal'} full attention",
         f"max |dw| {max(worst.values()):.1e}; activations {on:,} B against {off:,} B; "
         f"context parallel {max(cp_forward, cp_gradients):.1e}", f"{TOLERANCE:.0e}, and half")
+    if not passed:
+        likely_cause(runs, worst, one, (cp_forward, cp_gradients), (on, off))
+    return code
+
+
+def likely_cause(runs, worst, one, cp, kept_bytes):
+    """The last line of a failure: the typical mistakes the measurements fit (several breaks can
+    run at once: each cause, in one line), never read from the learner's source; else what was
+    measured."""
+    where = lambda text: course.lesson_line("10_tensor_parallel/tensor_parallel.py", text)  # noqa
+    causes, measured = [], []
+    for name, (world_size, tp, sp, _) in JOBS.items():
+        distinct = len({tuple(b) for b in runs[name]["batches"]})
+        if worst[name] > TOLERANCE:
+            measured.append(f"{name} leaves one process by {worst[name]:.1e}, its {world_size} "
+                            f"ranks on {distinct} different first batches")
+            if distinct > world_size // tp:
+                causes.append(
+                    f"the ranks of a TP group compute on different batches: in the {name} run the "
+                    f"{world_size} ranks' first batches are {distinct} different ones, where "
+                    f"{world_size // tp} (one per TP group) are right; build the sampler over the "
+                    f"mesh's dp dimension ({where('DistributedSampler(dataset, mesh')})")
+                break
+    extra = {}
+    for name in ("tp", "sp"):
+        expected = theory_of_collectives(one, runs[name]["batch_size"], 2, name == "sp")
+        for phase, calls in runs[name]["collectives"].items():
+            more = len(calls) - sum(expected[phase].values())
+            if more:
+                extra[f"{name} {phase}"] = more
+    if extra:
+        said = ", ".join(f"{k} {v:+d}" for k, v in extra.items())
+        measured.append(f"collectives against the formula: {said}")
+        attn_line = where('"attn": whole')
+        if all(v > 0 for v in extra.values()):
+            causes.append(
+                f"each of q, k and v gathers (SP) or all-reduces (TP) its input itself: "
+                f"{said} collectives against the formula; keep the plan's entries that prepare the "
+                f"input of attention and of the MLP once ({attn_line})")
+    on, off = kept_bytes
+    if not on < off / 2:
+        measured.append(f"activations kept {on:,} B with checkpointing, {off:,} B without")
+        causes.append(f"activation checkpointing did not run: the blocks keep {on:,} B for "
+                      f"backward with it asked for, {off:,} B without; call checkpoint(...) in "
+                      f"the block's forward ({where('return checkpoint(')})")
+    forward, gradients = cp
+    if max(cp) > TOLERANCE:
+        measured.append(f"context parallel forward {forward:.1e}, gradients {gradients:.1e}")
+        if forward <= TOLERANCE:
+            causes.append(
+                f"the all-gather's backward gives wrong gradients: context parallel attention's "
+                f"forward equals full attention ({forward:.1e}), its gradients are {gradients:.1e} "
+                f"off; gather K and V with an autograd all-gather whose backward reduce-scatters "
+                f"({course.lesson_line('10_tensor_parallel/prove.py', 'def autograd_all_gather')})")
+    if causes:
+        course.report_cause("; and ".join(causes))
+    else:
+        course.report_unknown("; ".join(measured) or "every claim's number is in tolerance")
 
 
 def main(argv=None):
@@ -424,4 +484,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

@@ -90,6 +90,11 @@ def test_gather_per_linear_fails_the_collectives_only_and_the_weights_still_equa
     assert f"tp backward 9 all_reduce x {M:,}  DIFFERS" in result.stdout  # q, k, v: 3 each block
     assert last_line_matching(r"^  sp forward", result.stdout).startswith(
         f"  sp forward  10 all_gather_into_tensor x {M // 2:,}")
+    assert result.stdout.splitlines()[-1] == (
+        "LIKELY CAUSE: each of q, k and v gathers (SP) or all-reduces (TP) its input itself: tp "
+        "backward +4, sp forward +4, sp backward +8 collectives against the formula; keep the "
+        "plan's entries that prepare the input of attention and of the MLP once "
+        "(tensor_parallel.py line 70)")
 
 
 def test_the_three_other_breaks_each_fail_their_own_claim_in_one_launch():
@@ -110,6 +115,12 @@ def test_the_three_other_breaks_each_fail_their_own_claim_in_one_launch():
         assert number_after("with checkpointing", line) == number_after("for backward", line)
     context = last_line_matching(r"^context parallel by hand", result.stdout)
     assert number_after("forward", context) == 0.0 and number_after("gradients", context) > 0.1
+    causes = result.stdout.splitlines()[-1]  # each break's own cause, in one line
+    assert causes.startswith("LIKELY CAUSE: the ranks of a TP group compute on different batches: "
+                             "in the 2d-sp-ckpt run the 4 ranks' first batches are 4 different "
+                             "ones, where 2 (one per TP group) are right; "), causes
+    assert "; and activation checkpointing did not run: " in causes
+    assert "; and the all-gather's backward gives wrong gradients: " in causes
 
 
 def test_a_crashed_rank_stops_the_launch_with_its_own_error(lesson):
