@@ -35,7 +35,7 @@ MISTAKES = {
                          "LIKELY CAUSE: the loss is not divided by the K = 2 micro-batches"),
     "10_tensor_parallel": ([('DistributedSampler(dataset, mesh["dp"].size(), mesh["dp"].get_local_rank())',
                              "DistributedSampler(dataset)")], [], "PROOF FAILED",
-                           "TP, SP and 2-D do NOT equal one process"),
+                           "LIKELY CAUSE: the ranks of a TP group compute on different batches"),
     "11_train_gpt": ([("(loss / len(batches)).backward()", "loss.backward()")], ["--claims", "1"],
                      "PROOF FAILED", "claim 1 fails"),
 }
