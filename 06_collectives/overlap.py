@@ -59,7 +59,9 @@ def overlap_gradients(buckets, world_size):
 
     def finish():  # a missing bucket would hang the other ranks: say so, even under python -O
         if len(in_flight) != len(buckets):
-            raise RuntimeError("a bucket never filled: a parameter without a gradient?")
+            raise RuntimeError(f"a bucket never filled: {len(in_flight)} of {len(buckets)} sent "
+                               "since the last finish(); finish() twice, or before backward? a "
+                               "parameter without a gradient?")
         for bucket, flat, work in in_flight:
             work.wait()  # the only place this rank waits for the network
             flat /= world_size

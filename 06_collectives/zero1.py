@@ -35,6 +35,8 @@ def flat_padded(tensors, size):
 
 def zero1_shard(params, world_size, rank):
     """The trainable parameters as one flat vector padded to N*k; this rank owns [rank*k, rank*k+k).
+    `params`: tensors (model.parameters()), not an optimizer's parameter groups (dicts): the shard
+    is one tensor with one lr, so per-group settings (weight decay, lr) have no place here.
     Returns (params, k, shard): the optimizer sees the shard only, so only it gets state. The
     shard is a COPY: call this after loading a checkpoint into the model and moving it."""
     params = [p for p in params if p.requires_grad]
