@@ -540,7 +540,7 @@ class StepTrace:
         self.index = {}
         for i in range(len(dataset)):
             self.index.setdefault(self.key(dataset[i][0]), i)
-        self.steps, self.weights, self.seen, self.handles = [[]], [], set(), []
+        self.steps, self.weights, self.seen, self.handles, self.rng = [[]], [], set(), [], []
 
     @staticmethod
     def key(row):
@@ -565,6 +565,8 @@ class StepTrace:
             return
         indices = [self.index.get(self.key(row)) for row in x]
         if all(i is not None for i in indices):
+            if not self.steps[-1]:  # the step's first batch: the RNG state dropout starts from
+                self.rng.append(rng_digest())
             self.seen.add(id(x))
             self.steps[-1].extend(indices)
 
@@ -584,9 +586,19 @@ class StepTrace:
         self.seen = set()
 
     def state(self):
-        """{"indices": each step's sample indices, "weights": [before step 1, after 1, ...]}."""
-        return {"indices": [s for s in self.steps if s] if self.steps[-1] == [] else self.steps,
-                "weights": torch.stack(self.weights) if self.weights else torch.zeros(0)}
+        """{"indices": each step's sample indices, "weights": [before step 1, after 1, ...],
+        "rng": the RNG state's digest at each step's first forward}."""
+        return {"indices": [s for s in self.steps if s],
+                "weights": torch.stack(self.weights) if self.weights else torch.zeros(0),
+                "rng": self.rng}
+
+
+def rng_digest(state=None):
+    """A short digest of torch's global (CPU) RNG state, or of `state`: equal digests, equal
+    dropout masks to come."""
+    import hashlib
+    state = torch.get_rng_state() if state is None else state
+    return hashlib.sha256(state.cpu().numpy().tobytes()).hexdigest()[:12]
 
 
 def first_apart(a, b, tolerance, names_and_sizes=()):

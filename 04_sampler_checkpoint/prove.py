@@ -163,6 +163,36 @@ def recording(evaluate, log, steps):
     return evaluate_and_record
 
 
+def tracing(make_dataset, traces):
+    """The lesson's make_dataset, unchanged; the set it makes starts a course.StepTrace: which
+    samples each step reads, and the RNG state each step's dropout starts from."""
+    def make_and_trace(*args, **kwargs):
+        dataset = make_dataset(*args, **kwargs)
+        if not traces:
+            traces.append(course.StepTrace(dataset, keep=0).install())
+        return dataset
+    return make_and_trace
+
+
+def recording_restore(set_rng_state, restored):
+    """torch.set_rng_state, recording the digest of each state it set that took effect."""
+    def set_and_record(state, *args, **kwargs):
+        set_rng_state(state, *args, **kwargs)
+        if course.rng_digest() == course.rng_digest(state):
+            restored.append(course.rng_digest(state))
+    return set_and_record
+
+
+def recording_rename(rename, renamed):
+    """os.replace or os.rename, recording each destination's file name: a checkpoint that never
+    was one was written in place (a crash mid-write leaves it damaged under its final name)."""
+    def rename_and_record(src, dst, *args, **kwargs):
+        result = rename(src, dst, *args, **kwargs)
+        renamed.append(os.path.basename(dst))
+        return result
+    return rename_and_record
+
+
 def lab_worker(rank, world_size, port, backend, epochs, folder, resume, out_dir, run, broken,
                kill_step, kill_rank, crash_rank, timeout):
     """Runs the lesson's worker unchanged (but for --break) and keeps what it returns in a file."""
@@ -175,8 +205,12 @@ def lab_worker(rank, world_size, port, backend, epochs, folder, resume, out_dir,
         torch.set_rng_state = lambda state: None
     if broken == "rank0-rng-only" and resume:  # only this child's torch.load: the lab's are unchanged
         torch.load = with_rank0_rng_only(torch.load)
-    steps, evaluations = [0], []
+    steps, evaluations, traces, restored, renamed = [0], [], [], [], []
     lesson.evaluate = recording(lesson.evaluate, evaluations, steps)
+    lesson.make_dataset = tracing(lesson.make_dataset, traces)
+    torch.set_rng_state = recording_restore(torch.set_rng_state, restored)
+    if rank == 0:
+        os.replace, os.rename = (recording_rename(f, renamed) for f in (os.replace, os.rename))
     register_optimizer_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
     if kill_step and rank == kill_rank:
         at_step(kill_step, kill_self)
@@ -194,8 +228,10 @@ def lab_worker(rank, world_size, port, backend, epochs, folder, resume, out_dir,
         raise
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     evaluations = [(start + step, counts) for step, counts in evaluations]
-    torch.save({"state": state, "losses": losses, "start": start, "evaluations": evaluations},
-               os.path.join(out_dir, f"{run}-rank{rank}.pt"))
+    trace = traces[0].state() if traces else {"indices": [], "rng": []}
+    torch.save({"state": state, "losses": losses, "start": start, "evaluations": evaluations,
+                "indices": trace["indices"], "rng": trace["rng"], "restored": restored,
+                "renamed": renamed}, os.path.join(out_dir, f"{run}-rank{rank}.pt"))
 
 
 # ---------------------------------------------------------------- the parent
@@ -316,6 +352,10 @@ def main(argv=None):
         path = lesson.find_checkpoint(crashed, config)  # as lesson.main() does, before spawning
         if path is None:
             return course.report_proof(False, "the crashed run left a checkpoint", "none", "one")
+        saved_rng = [course.rng_digest(r["cpu"]) for r in torch.load(
+            path, map_location="cpu", weights_only=True)["rng"]]
+        in_place = sorted(set(n for n in os.listdir(straight) if n.endswith(".pt"))
+                          - set(ranks[0]["renamed"]))
         resumed = spawn("resumed", args, backend, out_dir, crashed, resume=path)
         seconds = time.perf_counter() - start
     begin = resumed[0]["start"]
@@ -342,15 +382,73 @@ def main(argv=None):
     if args.world_size >= 3 and not same_weights and dw < 1e-6:
         print("note: with 3 or more ranks, the resumed DDP object sums its first step's gradients in "
               "another order (its buckets are not rebuilt yet): see NOTES.md")
-    passed = same_losses and same_weights and exact_eval
-    return course.report_proof(
+    if in_place:
+        print(f"checkpoints written in place under their final name (never renamed into place): "
+              f"{', '.join(in_place)}")
+    passed = same_losses and same_weights and exact_eval and not in_place
+    code = course.report_proof(
         passed, f"rank {killed} {course.hard_killed()} after step {kill_step}, resumed from step "
         f"{begin}: losses and weights "
         f"{'bit-identical' if same_losses and same_weights else 'NOT identical'} to an "
         f"uninterrupted run; evaluation counted {counted[0][1]} of {HELD_OUT} samples, "
         f"{'as' if exact_eval else 'NOT as'} one process does",
         f"torch.equal; max |dloss| {dloss:.1e}, max |dw| {dw:.1e}", "0")
+    if code:
+        likely_cause(ranks, resumed, begin, counted, alone, in_place, saved_rng)
+    return code
+
+
+LINES = {"eval": "shard = Subset(dataset, range(dist.get_rank()", "epoch": "for epoch in range(step",
+         "skip": "itertools.islice(loader", "restore": "torch.set_rng_state(state[\"rng\"][rank]",
+         "generator": "generator=torch.Generator().manual_seed(0))", "gather": "all_gather_object(rng",
+         "tmp": "with open(path + \".tmp\", \"wb\")"}
+
+
+def likely_cause(ranks, resumed, begin, counted, alone, in_place, saved_rng):
+    """The failure's likely cause, from what the three runs measurably did."""
+    lines = {k: course.lesson_line("04_sampler_checkpoint/sampler_checkpoint.py", v)
+             for k, v in LINES.items()}
+    data = [(r, t) for r, (s, m) in enumerate(zip(ranks, resumed))
+            for t in range(len(m["indices"])) if t + begin < len(s["indices"])
+            and sorted(s["indices"][t + begin]) != sorted(m["indices"][t])] or [None]
+    first_rng = [m["rng"][0] if m["rng"] else None for m in resumed]
+    expected_rng = [s["rng"][begin] if len(s["rng"]) > begin else None for s in ranks]
+    restored = [m["restored"] for m in resumed]
+    world = len(ranks)
+    return course.diagnose([
+        (counted[0][1] != HELD_OUT,
+         f"the evaluation counts {counted[0][1]} samples, not the {HELD_OUT} held out: shards "
+         f"padded to equal sizes (DistributedSampler pads) count some twice; evaluate unpadded "
+         f"shards and all-reduce the counts ({lines['eval']})"),
+        (bool(in_place),
+         f"checkpoints are written in place under their final name ({(in_place or [''])[0]} was never "
+         f"renamed into place): a crash mid-write leaves the newest one damaged; write to a .tmp "
+         f"file, fsync, then os.replace ({lines['tmp']})"),
+        (data[0] is not None,
+         f"the resume reads other samples than the uninterrupted run, from step "
+         f"{begin + 1 + (data[0] or (0, 0))[1]} (rank {(data[0] or (0, 0))[0]}): the epoch or the "
+         f"position in it is off; resume at epoch step // len(loader) and skip step % "
+         f"len(loader) batches ({lines['epoch']}; {lines['skip']})"),
+        (world > 1 and any(saved_rng[0] in r and saved_rng[0] != saved_rng[k]
+                           for k, r in enumerate(restored) if k > 0),
+         f"every resumed rank restores rank 0's RNG state (rank 1 set rank 0's): dropout on "
+         f"rank 1 repeats rank 0's masks; save every rank's state (all_gather_object) and "
+         f"restore rng[rank] ({lines['gather']}; {lines['restore']})"),
+        (any(saved_rng[k] not in r for k, r in enumerate(restored)),
+         f"the resumed ranks do not restore their RNG state (no set_rng_state with the saved "
+         f"state took effect): dropout draws other masks after the resume; "
+         f"torch.set_rng_state(state['rng'][rank]['cpu']) ({lines['restore']})"),
+        (first_rng != expected_rng,
+         f"the RNG state was restored, then drawn from before the first resumed step (its "
+         f"state there differs from the uninterrupted run's): a DataLoader without its own "
+         f"generator draws its seed from the global RNG when an epoch starts; give it one "
+         f"({lines['generator']})"),
+        (counted != alone,
+         f"the evaluation's counts differ from one process's on the same weights ({counted} "
+         f"against {alone}): compare evaluate() ({lines['eval']})"),
+    ], "the resumed run reads the same samples and starts each step from the same RNG state, "
+       "yet its losses or weights differ: compare what the checkpoint saves and loads")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

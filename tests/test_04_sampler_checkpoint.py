@@ -10,6 +10,7 @@ import datetime
 import hashlib
 import io
 import os
+import re
 import shutil
 import signal
 import sys
@@ -133,10 +134,18 @@ def test_the_default_lab_run_kills_a_rank_resumes_it_and_passes():
     assert "evaluated after steps 8, 16" in result.stdout, "the evaluation must lie between checkpoints"
 
 
-def test_every_break_fails_the_proof(lesson):
+CAUSES = {"no-rng-restore": "LIKELY CAUSE: the resumed ranks do not restore their RNG state",
+          "loader-global-rng": "LIKELY CAUSE: the RNG state was restored, then drawn from before "
+                               "the first resumed step",
+          "padded-eval": "LIKELY CAUSE: the evaluation counts 102 samples, not the 101 held out",
+          "rank0-rng-only": "LIKELY CAUSE: every resumed rank restores rank 0's RNG state"}
+
+
+@pytest.mark.timeout(400)
+def test_every_break_fails_the_proof_and_names_its_cause(lesson):
     others = {name: lesson.start(LAB, "--break", name)
               for name in ("loader-global-rng", "padded-eval", "rank0-rng-only")}
-    results = {name: run.communicate(timeout=120) + (run.returncode,) for name, run in others.items()}
+    results = {name: run.communicate(timeout=360) + (run.returncode,) for name, run in others.items()}
     shared = run_readme_command(f"python {LAB} --break no-rng-restore")
     results["no-rng-restore"] = (shared.stdout, shared.stderr, shared.returncode)
     for name, (stdout, stderr, code) in results.items():
@@ -147,6 +156,48 @@ def test_every_break_fails_the_proof(lesson):
             assert "counted 102 of 101" in line and number_after("max |dw|", line) == 0.0
         else:
             assert number_after("max |dw|", line) > 1e-4, f"--break {name}: {line}"
+        assert stdout.splitlines()[-1].startswith(CAUSES[name]), stdout[-1500:]
+
+
+# A learner's mistakes that used to pass (a checkpoint written in place) or hang for minutes (a
+# barrier on rank 0 only: 69 s and gloo's text), each made in the lesson and given to the lab.
+MISTAKES = {
+    "in_place": ([('with open(path + ".tmp", "wb") as f:', 'with open(path, "wb") as f:'),
+                  ('        os.replace(path + ".tmp", path)\n', "")],
+                 r"^LIKELY CAUSE: checkpoints are written in place under their final name \(step"),
+    "epoch_off": ([("range(step // len(loader), epochs)",
+                    "range(max(0, step // len(loader) - 1), epochs)")],
+                  r"^LIKELY CAUSE: the resume reads other samples than the uninterrupted run, "
+                  r"from step 11 \(rank 0\)"),
+    "barrier_on_rank_0": ([('        print(f"saved {path}", flush=True)\n    dist.barrier()',
+                            '        print(f"saved {path}", flush=True)\n        dist.barrier()')],
+                          r"^LIKELY CAUSE: the ranks wait in different collectives \(rank 0: "
+                          r"barrier\(\), rank 1: backward\(\)"),
+}
+
+
+@pytest.mark.timeout(480)
+def test_a_learners_mistake_is_named_in_one_line_and_a_hang_in_seconds(lesson, tmp_path):
+    text = (REPO / SCRIPT).read_text()
+    started = {}
+    for name, (edits, _) in MISTAKES.items():
+        mine = text
+        for old, new in edits:
+            assert mine.count(old) == 1, old
+            mine = mine.replace(old, new)
+        (tmp_path / f"my_{name}.py").write_text(mine)
+        started[name] = lesson.start(LAB, "--lesson", tmp_path / f"my_{name}.py")
+    outputs = {}
+    for name, run in started.items():
+        outputs[name] = stdout, stderr = run.communicate(timeout=450)
+        assert run.returncode == 1, (name, stdout[-1500:], stderr[-1500:])
+        last = (stderr if name == "barrier_on_rank_0" else stdout).strip().splitlines()[-1]
+        assert re.search(MISTAKES[name][1], last), (name, last)
+    hang = [line for line in outputs["barrier_on_rank_0"][1].splitlines()
+            if line.startswith("RUN FAILED")]
+    assert re.search(r"the run hung: no rank used the CPU for 10 s, and was stopped; rank 0 "
+                     r"waits in barrier\(\) at my_barrier_on_rank_0.py line \d+ \(checkpoint\); "
+                     r"rank 1 waits in backward\(\)", hang[0]), hang
 
 
 def test_a_crashed_rank_stops_the_whole_run_quickly_with_the_real_error(lesson):
