@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import sys
 import tempfile
 import time
@@ -42,6 +43,9 @@ BREAKS = {
     "plain-optimizer": "the trainer builds torch.optim.SGD on the parameters' RRefs instead of "
                        "DistributedOptimizer",
 }
+
+
+FAILURE_KEYS = ("local_backward", "dist_backward", "rref_optimizer", "error")
 
 
 class LocalBackward:
@@ -85,11 +89,51 @@ def observed(optimizer_class, kept, crash_rank=None):
     return Observed
 
 
+def in_a_context():
+    """True inside a `with dist_autograd.context()` block of this thread."""
+    try:
+        dist_autograd._current_context()
+        return True
+    except RuntimeError:
+        return False
+
+
+def watch_trainer(kept):
+    """Measures, in a trainer, what its loop did (global patches: the lesson runs unchanged):
+    local backward() calls made inside a distributed autograd context, dist_autograd.backward
+    calls, and optimizers built on RRefs instead of tensors. For the diagnosis of a failure."""
+    from torch._C._distributed_rpc import PyRRef  # the class of every RRef (needs RPC)
+    kept.update(local_backward=0, dist_backward=0, rref_optimizer=None)
+    real_backward, real_dist_backward = torch.autograd.backward, dist_autograd.backward
+    real_init = torch.optim.Optimizer.__init__
+
+    def backward(*args, **kwargs):  # Tensor.backward calls torch.autograd.backward
+        kept["local_backward"] += in_a_context()
+        return real_backward(*args, **kwargs)
+
+    def dist_backward(*args, **kwargs):
+        kept["dist_backward"] += 1
+        return real_dist_backward(*args, **kwargs)
+
+    def init(self, params, *args, **kwargs):
+        params = list(params)
+        flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+        rrefs = sum(isinstance(p, PyRRef) for p in flat)
+        if rrefs:
+            kept["rref_optimizer"] = (f"{type(self).__module__.split('.')[0]}.optim "
+                                      f"{type(self).__name__}", rrefs)
+        return real_init(self, params, *args, **kwargs)
+    torch.autograd.backward, dist_autograd.backward = backward, dist_backward
+    torch.optim.Optimizer.__init__ = init
+
+
 def lab_worker(index, jobs, epochs, batch_size, lr, out_dir, broken, crash_rank, timeout):
     """Process `index` runs jobs[index], one rank of one run of the lesson's worker, unchanged
-    but for --break, and saves what it returns: the server's weights, a trainer's losses."""
+    but for --break, and saves what it returns: the server's weights, a trainer's losses. A
+    trainer that fails saves what watch_trainer measured, then raises."""
     job, kept = jobs[index], {}
     if job["rank"] > 0:
+        watch_trainer(kept)
         if broken == "local-backward":
             lesson.dist_autograd = LocalBackward
         if broken == "plain-optimizer":
@@ -102,9 +146,14 @@ def lab_worker(index, jobs, epochs, batch_size, lr, out_dir, broken, crash_rank,
         with quiet if job["run"] != "proof" else contextlib.nullcontext():
             built = lesson.worker(job["rank"], job["world_size"], job["port"], epochs, batch_size,
                                   lr, timeout)
-    except BaseException:  # print this rank's own error first: the spawner may report a peer's
-        traceback.print_exc()
+    except BaseException as error:  # print this rank's own error first: the spawner may report
+        traceback.print_exc()  # a peer's
         sys.stderr.flush()
+        if job["rank"] > 0:
+            said = re.split(r' at "|, but ', (str(error).strip() or "?").splitlines()[0])[0]
+            kept["error"] = f"{type(error).__name__}: {said[:80]}"
+            torch.save({k: v for k, v in kept.items() if k in FAILURE_KEYS},
+                       os.path.join(out_dir, f"{job['run']}_rank{job['rank']}_failed.pt"))
         raise
     if job["rank"] == 0:
         kept["state"] = {k: v.detach().clone() for k, v in built.state_dict().items()}
@@ -112,6 +161,47 @@ def lab_worker(index, jobs, epochs, batch_size, lr, out_dir, broken, crash_rank,
     else:
         kept["losses"] = built
     torch.save(kept, os.path.join(out_dir, f"{job['run']}_rank{job['rank']}.pt"))
+
+
+def where(text):
+    """The lesson's line that a learner compares theirs with."""
+    return course.lesson_line("08_rpc/rpc.py", text)
+
+
+def cause_of_failed_trainer(out_dir, jobs):
+    """The likely cause of a trainer's error, from what watch_trainer measured there, or None."""
+    for job in jobs:
+        path = os.path.join(out_dir, f"{job['run']}_rank{job['rank']}_failed.pt")
+        if not os.path.exists(path):
+            continue
+        seen = torch.load(path, weights_only=True)
+        who = f"trainer {job['rank']}"
+        if seen["rref_optimizer"]:
+            kind, count = seen["rref_optimizer"]
+            return (f"a local optimizer built on the parameters' RRefs: {who} built {kind} on "
+                    f"{count} RRef(s) and raised {seen['error']}; the parameters live on the "
+                    f"server, and only DistributedOptimizer(torch.optim.SGD, params, ...) steps "
+                    f"them there ({where('DistributedOptimizer(torch.optim.SGD')})")
+        if seen["local_backward"] and not seen["dist_backward"]:
+            return (f"loss.backward() inside a distributed autograd context: {who} ran a local "
+                    f"backward {seen['local_backward']} time(s) in a dist_autograd context and "
+                    f"dist_autograd.backward none, then raised {seen['error']}; a local backward "
+                    f"never reaches the server's parameters: dist_autograd.backward(context_id, "
+                    f"[loss]) ({where('dist_autograd.backward(context_id')})")
+    return None
+
+
+def spawn_naming_the_cause(args, jobs, out_dir):  # args: lab_worker's
+    """course.spawn_or_fail, whose RUN FAILED ends with the cause that the failed trainer's
+    measurements fit (else the course's own: where the learner's file raised)."""
+    course_cause = course.cause_of_rank_error
+    course.cause_of_rank_error = lambda text: (
+        None if "crashed on purpose" in text else cause_of_failed_trainer(out_dir, jobs)
+    ) or course_cause(text)
+    try:
+        course.spawn_or_fail(lab_worker, args, len(jobs))
+    finally:
+        course.cause_of_rank_error = course_cause
 
 
 def train_reference(trainers, epochs, batch_size, lr):
@@ -185,8 +275,8 @@ def main(argv=None):
                  for r in range(trainers + 1)]
     with tempfile.TemporaryDirectory(prefix="prove08_") as out_dir:
         start = time.perf_counter()
-        course.spawn_or_fail(lab_worker, (jobs, args.epochs, args.batch_size, args.lr, out_dir,
-                                          args.broken, args.crash_rank, args.timeout), len(jobs))
+        spawn_naming_the_cause((jobs, args.epochs, args.batch_size, args.lr, out_dir, args.broken,
+                                args.crash_rank, args.timeout), jobs, out_dir)
         seconds = time.perf_counter() - start
         kept = {f"{j['run']}{j['rank']}": torch.load(os.path.join(
             out_dir, f"{j['run']}_rank{j['rank']}.pt"), weights_only=True) for j in jobs}
@@ -209,11 +299,57 @@ def main(argv=None):
               f"taking turns: max |dw| {course.max_abs_diff(kept['async0']['state'], turns):.1e} "
               "(no fixed order: not a proof)")
     passed = vs_local <= TOLERANCE and grads <= TOLERANCE and grad_none
-    return course.report_proof(
+    code = course.report_proof(
         passed, "the server driven by one trainer over RPC ends "
         f"{'equal' if vs_local <= TOLERANCE else 'NOT equal'} to a local loop on the same batches, "
         f"its gradients {'in the context, not in .grad' if grad_none else 'in .grad'}",
         f"max |dw| {vs_local:.1e}, first gradients max |dg| {grads:.1e}", f"{TOLERANCE:.0e}")
+    if not passed:
+        likely_cause(server, trainer, losses, first_grads, grads, grad_none,
+                     len(losses) // args.epochs)
+    return code
+
+
+def likely_cause(server, trainer, losses, first_grads, d_grads, grad_none, per_epoch):
+    """The last line of a failed proof: the typical mistake the measurements fit (never read from
+    the learner's source), else what was measured."""
+    start = {k: v.detach() for k, v in course.load_lesson(
+        "00_single_process/single_process.py").make_model().state_dict().items()}
+    moved = course.max_abs_diff(server["state"], start)
+    mine = trainer["losses"]
+    apart = next((i for i, (a, b) in enumerate(zip(mine, losses), 1)
+                  if abs(a - b) > TOLERANCE), None)
+    norm = lambda grads: torch.cat([g.flatten() for g in grads]).norm().item()  # noqa: E731
+    ratio = norm(trainer["first_grads"]) / norm(first_grads)
+    measured = (f"the server's weights moved {moved:.1e} from make_model()'s in {len(mine)} "
+                f"trainer steps; the first step's gradients are {ratio:.2f} times a local loop's "
+                f"(max |dg| {d_grads:.1e}); " + (f"the losses part from the local loop's at step "
+                                                 f"{apart}" if apart else "the losses agree"))
+    course.diagnose([
+        (moved == 0.0 and len(mine) > 0,
+         f"the server's weights never moved: max |dw| from make_model()'s {moved:.1e} after "
+         f"{len(mine)} trainer steps (the gradients in the context: {ratio:.2f} times a local "
+         f"loop's); step in the context of the backward: optimizer.step(context_id) "
+         f"({where('optimizer.step(context_id)')})"),
+        (not grad_none,
+         f"the server's gradients landed in .grad: after step 1, .grad is set on "
+         f"{trainer['grad_none'].count(False)} of {len(trainer['grad_none'])} parameters; "
+         f"distributed autograd keeps them in the context: dist_autograd.backward(context_id, "
+         f"[loss]) ({where('dist_autograd.backward(context_id')})"),
+        (d_grads > TOLERANCE and abs(mine[0] - losses[0]) > TOLERANCE,
+         f"the trainer's first batch or model differs from the local loop's: the first loss "
+         f"{mine[0]:.4f} against {losses[0]:.4f}; its batches from DistributedSampler(seed=0), "
+         f"the model from make_model() ({where('DistributedSampler(dataset')})"),
+        (apart is not None and apart == per_epoch + 1 and d_grads <= TOLERANCE,
+         f"every epoch repeats the first shuffle: the losses equal the local loop's through epoch "
+         f"0 and part at step {apart}, the first of epoch 1; call loader.sampler.set_epoch(epoch) "
+         f"({where('set_epoch(epoch)')})"),
+        (apart is not None and apart > 1 and d_grads <= TOLERANCE,
+         f"the step differs from SGD(lr, momentum=0.9): the first gradients equal a local loop's "
+         f"(max |dg| {d_grads:.1e}) and the losses part at step {apart}; DistributedOptimizer("
+         f"torch.optim.SGD, params, lr=lr, momentum=0.9) "
+         f"({where('DistributedOptimizer(torch.optim.SGD')})"),
+    ], measured)
 
 
 if __name__ == "__main__":

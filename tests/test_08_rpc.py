@@ -5,6 +5,7 @@ Command-line runs are what a user sees (the lab's proof beside a second server a
 a break, a crashed trainer, the lesson copied alone); the claims about gradients and optimizers are tested in-process, in an
 RPC world of one ("ps" calling itself), where no process has to start."""
 import math
+import re
 import shutil
 
 import pytest
@@ -53,6 +54,28 @@ def test_local_backward_stops_the_run_with_the_real_error():
     assert "RUN FAILED" in result.stderr and "PROOF" not in result.stdout
     assert "graphTask_ INTERNAL ASSERT FAILED" in result.stderr
     assert "context.cpp" in result.stderr
+    # the last line names the cause, from what the trainer measured (not from the source text)
+    assert re.fullmatch(r"LIKELY CAUSE: loss\.backward\(\) inside a distributed autograd context: "
+                        r"trainer 1 ran a local backward 1 time\(s\) in a dist_autograd context and "
+                        r"dist_autograd\.backward none, then raised RuntimeError: graphTask_ INTERNAL "
+                        r"ASSERT FAILED; .* \(rpc\.py line \d+\)", result.stderr.strip().splitlines()[-1])
+
+
+def test_a_plain_optimizer_and_a_crash_in_the_learners_file_end_with_their_causes(lesson, tmp_path):
+    """--break plain-optimizer, and a learner's file (--lesson) that raises in its own code: both
+    stop the run, at once, each ending stderr with its LIKELY CAUSE line."""
+    mine = (REPO / LESSON).read_text().replace("    dataset = make_dataset()\n    sampler",
+                                               "    dataset = make_dataset()[5.5]\n    sampler")
+    (tmp_path / "my_crash.py").write_text(mine)
+    runs = [lesson.start(LAB, "--async-trainers", 0, *args) for args in (
+        ["--break", "plain-optimizer"], ["--lesson", tmp_path / "my_crash.py"])]
+    (_, plain), (_, crash) = [run.communicate(timeout=100) for run in runs]
+    assert [run.returncode for run in runs] == [1, 1] and "RUN FAILED" in plain + crash
+    assert re.fullmatch(r"LIKELY CAUSE: a local optimizer built on the parameters' RRefs: trainer 1 "
+                        r"built torch\.optim SGD on 4 RRef\(s\) and raised TypeError: optimizer can "
+                        r"only optimize Tensors; .* \(rpc\.py line \d+\)", plain.strip().splitlines()[-1])
+    assert re.fullmatch(r"LIKELY CAUSE: rank 1 raised IndexError: .* in your file \(my_crash\.py line "
+                        r"\d+, in run_trainer\): fix it there", crash.strip().splitlines()[-1])
 
 
 def test_a_crashed_trainer_stops_the_run_without_waiting_for_the_others(lesson):
