@@ -154,14 +154,15 @@ def lab_worker(rank, world_size, ports, out_dir, broken, runs):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def one_process(model_name="plain"):
-    """The same 16 steps in one process on the global batch: each step, both ranks' batches."""
+def one_process(model_name="plain", lr=LR, ranks=range(WORLD)):
+    """The same 16 steps in one process on the global batch: each step, both ranks' batches
+    (`ranks`: only those ranks' batches; `lr`: another learning rate, for the diagnosis)."""
     model = MODELS[model_name](seed=0)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR,
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr,
                                 momentum=0.9)
     for epoch in range(EPOCHS):
         batches = []
-        for rank in range(WORLD):
+        for rank in ranks:
             sampler = dist_sampler(rank, WORLD)
             sampler.set_epoch(epoch)
             loader = torch.utils.data.DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler,
@@ -228,12 +229,94 @@ def main(argv=None):
     print(f"torch's ZeroRedundancyOptimizer at 2 ranks: {[r['torch-zero'][1] for r in ranks]} bytes "
           "per rank: it shards whole parameters, so the largest sets the balance")
     print(f"{time.perf_counter() - start:.1f} s on {course.hardware()}")
-    return course.report_proof(
+    code = course.report_proof(
         all(passed) and d_one <= TOLERANCE and fair,
         "overlapping all-reduces (per parameter, in buckets, tied and frozen) and ZeRO-1 end "
         "bit-identical to DDP; ZeRO-1 equals one process and keeps 1/N of the optimizer state",
         f"torch.equal on {sum(passed)} of {len(passed)} runs; one process {d_one:.1e}",
         f"0 against DDP, {TOLERANCE:.0e} against one process")
+    if code:
+        likely_cause(ranks, reference, state_bytes, ddp_bytes)
+    return code
+
+
+def flat_trainable(model_name, state_dict=None):
+    """The trainable parameters of MODELS[model_name] (seed 0: the start every rank broadcasts),
+    or of `state_dict` loaded into it, as one flat vector in zero1_shard's order."""
+    model = MODELS[model_name](seed=0)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
+
+
+def never_moved(ranks, name, model_name):
+    """For each rank of a ZeRO-1 run: (elements at their start value outside its own shard, the
+    elements outside it, those at their start inside it)."""
+    start, counts = flat_trainable(model_name), []
+    k = -(-len(start) // WORLD)
+    for r, result in enumerate(ranks):
+        still = flat_trainable(model_name, result[name][0]) == start
+        own = torch.zeros_like(still)
+        own[r * k:(r + 1) * k] = True
+        counts.append((int((still & ~own).sum()), int((~own).sum()), int((still & own).sum())))
+    return counts
+
+
+def likely_cause(ranks, reference, state_bytes, ddp_bytes):
+    """The last line of a failed proof: which typical mistake the measurements fit (never read
+    from the lessons' source), else what was measured."""
+    overlap_line = lambda text: course.lesson_line("06_collectives/overlap.py", text)  # noqa
+    zero1_line = lambda text: course.lesson_line("06_collectives/zero1.py", text)  # noqa
+    apart = {name: course.max_abs_diff(ranks[0][name][0], ranks[1][name][0]) for name, _, _ in RUNS}
+    vs_ddp = {name: max(course.max_abs_diff(r[name][0], r["ddp-tied" if m == "tied" else "ddp"][0])
+                        for r in ranks) for name, m, _ in RUNS[2:]}
+    own = [course.max_abs_diff(r["overlap-buckets"][0], one_process(ranks=[i]))
+           for i, r in enumerate(ranks)]
+    stuck = never_moved(ranks, "zero1", "plain")
+    summed = {name: course.max_abs_diff(ranks[0][name][0], one_process(lr=LR * WORLD))
+              for name in ("overlap-buckets", "zero1")}
+    halved = {name: course.max_abs_diff(ranks[0][name][0], one_process(lr=LR / WORLD))
+              for name in ("overlap-buckets", "zero1")}
+    failed = [name for name, d in vs_ddp.items() if d > 0 and name != "torch-zero"]
+    broadcast_line = (overlap_line if failed and "overlap" in failed[0] else zero1_line)(
+        "dist.broadcast(")
+    measured = (f"{', '.join(failed) or 'no run'} differ from DDP; between the ranks: "
+                + ", ".join(f"{n} {apart[n]:.1e}" for n in failed or ["ddp"])
+                + f"; ZeRO-1 rank 0 left {stuck[0][0]} of {stuck[0][1]} elements outside its "
+                f"shard at their start; optimizer state per rank {state_bytes}")
+    rows = lambda counts: ", ".join(f"rank {r} {c[0]} of {c[1]}" for r, c in  # noqa: E731
+                                    enumerate(counts))
+    course.diagnose([
+        (apart["overlap-buckets"] > 0 and apart["ddp"] == 0 and max(own) <= TOLERANCE,
+         f"optimizer.step() before finish(): the overlap ranks disagree (max |dw| "
+         f"{apart['overlap-buckets']:.1e}, DDP's 0) and each rank's weights equal one process "
+         f"trained on that rank's batches alone (max |dw| {max(own):.1e}): the step used this "
+         f"rank's own gradient; wait for the all-reduces first ({overlap_line('finish()  #')})"),
+        (all(c[0] == c[1] and c[2] < c[1] for c in stuck),
+         f"the updated shards are never all-gathered: the parameters outside each rank's shard "
+         f"are still at their start values ({rows(stuck)} elements), its own shard moved; "
+         f"all_gather_into_tensor, then copy back into the model "
+         f"({zero1_line('dist.all_gather_into_tensor(')})"),
+        (any(d <= TOLERANCE for d in summed.values()),
+         f"the gradients are summed over the ranks, not averaged: "
+         + ", ".join(f"{n} equals one process with lr x {WORLD} (max |dw| {d:.1e})"
+                     for n, d in summed.items() if d <= TOLERANCE)
+         + f"; divide by the world size ({overlap_line('/= world_size')}, "
+         f"{zero1_line('/= world_size')})"),
+        (any(d <= TOLERANCE for d in halved.values()),
+         f"the gradients are divided by the world size twice: "
+         + ", ".join(f"{n} equals one process with lr / {WORLD} (max |dw| {d:.1e})"
+                     for n, d in halved.items() if d <= TOLERANCE)
+         + f"; divide once ({overlap_line('/= world_size')}, {zero1_line('/= world_size')})"),
+        (any(apart[n] > 0 for n in failed),
+         f"the ranks disagree after {', '.join(n for n in failed if apart[n] > 0)} (DDP's "
+         f"agree): each rank starts from rank 0's weights, broadcast, and steps with the same "
+         f"averaged gradient ({broadcast_line})"),
+        (max(max(b) for b in state_bytes.values()) >= ddp_bytes and len(state_bytes) > 1,
+         f"ZeRO-1 keeps the whole optimizer state on each rank: {state_bytes} bytes per rank, "
+         f"DDP {ddp_bytes}; the optimizer sees only this rank's shard "
+         f"({zero1_line('torch.optim.SGD([shard]')})"),
+    ], measured)
 
 
 if __name__ == "__main__":

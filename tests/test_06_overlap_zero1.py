@@ -33,16 +33,24 @@ def test_the_lab_proves_both_parts_bit_identical_to_ddp():
     assert done.stdout.rstrip().splitlines()[-1].startswith("PROOF PASSED")
 
 
-@pytest.mark.parametrize("broken, still_equal", [
-    ("step-before-wait", {"zero1", "zero1-tied", "torch-zero"}),
-    ("no-gather", {"overlap-per-parameter", "overlap-buckets", "overlap-tied", "torch-zero"})])
-def test_each_break_fails_the_proof_where_it_should(broken, still_equal):
+@pytest.mark.parametrize("broken, still_equal, cause", [
+    ("step-before-wait", {"zero1", "zero1-tied", "torch-zero"},
+     r"optimizer\.step\(\) before finish\(\): the overlap ranks disagree \(max \|dw\| \S+, DDP's 0\) "
+     r"and each rank's weights equal one process trained on that rank's batches alone \(max \|dw\| "
+     r"0\.0e\+00\): the step used this rank's own gradient; .* \(overlap\.py line \d+\)"),
+    ("no-gather", {"overlap-per-parameter", "overlap-buckets", "overlap-tied", "torch-zero"},
+     r"the updated shards are never all-gathered: the parameters outside each rank's shard are "
+     r"still at their start values \(rank 0 802 of 802, rank 1 802 of 802 elements\), its own "
+     r"shard moved; .* \(zero1\.py line \d+\)")])
+def test_each_break_fails_the_proof_where_it_should_and_names_its_cause(broken, still_equal, cause):
     done = run_lesson(LAB, "--break", broken, timeout=150)
     assert done.returncode == 1, done.stderr[-3000:]
     compared = dict(re.findall(r"^(\S+) +vs DDP, both ranks: (bit-identical|DIFFERENT)", done.stdout,
                                re.M))
     assert {name for name, verdict in compared.items() if verdict == "bit-identical"} == still_equal
     assert "PROOF FAILED" in done.stdout
+    last = done.stdout.strip().splitlines()[-1]  # measured: the ranks, the shards, the start values
+    assert re.fullmatch("LIKELY CAUSE: " + cause, last), last
 
 
 def test_the_lessons_copied_alone_run(tmp_path):
