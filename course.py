@@ -416,8 +416,8 @@ class HangWatch:
     waits, and none for another that is working. A slow run always has a rank that computes.
     Then name_the_hang() asks each rank for its stacks and says where each one waits."""
 
-    def __init__(self, stack_folder, stall=STALL_SECONDS):
-        self.folder, self.stall, self.seen = stack_folder, stall, {}
+    def __init__(self, stack_folder, stall=None):
+        self.folder, self.stall, self.seen = stack_folder, stall or STALL_SECONDS, {}
 
     def stalled(self, pids):
         now = time.monotonic()
@@ -448,7 +448,8 @@ class HangWatch:
         parts = []
         for rank in sorted(set(pids) | set(exited)):
             if rank in exited:
-                parts.append(f"rank {rank} had finished (exit code {exited[rank]})")
+                parts.append(f"rank {rank} had exited" + (
+                    f" (exit code {exited[rank]})" if exited[rank] != "?" else ""))
             elif rank in waits:
                 collective, line = waits[rank]
                 parts.append(f"rank {rank} waits in {collective}" + (f" at {line}" if line else ""))
@@ -488,8 +489,11 @@ def where_it_waits(stacks):
                 threads[-1] if threads else "")
     frames = [(m[0], int(m[1]), m[2]) for m in
               __import__("re").findall(r'File "([^"]+)", line (\d+) in (\S+)', main)]
-    # faulthandler lists the most recent call first
-    collective = next((f"{name}()" for path, _, name in frames
+    # faulthandler lists the most recent call first; the collective is the outermost call into
+    # torch.distributed: the one the lesson made (all_gather_object, not what it calls inside)
+    names = {name for _, _, name in frames}
+    collective = "init_process_group()" if names & {"init_process_group", "rendezvous"} else None
+    collective = collective or next((f"{name}()" for path, _, name in reversed(frames)
                        if path.startswith(TORCH_DIR) and "distributed" in path
                        and not name.startswith("_") and name not in ("wrapper",)), None)
     if collective is None and any(path.startswith(TORCH_DIR) and "autograd" in path

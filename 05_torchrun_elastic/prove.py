@@ -71,11 +71,15 @@ def note_where_it_starts(lesson_module, record):
 
     def find_and_keep(*args, **kwargs):
         chosen.append(find_checkpoint(*args, **kwargs))
+        if chosen[-1]:  # the RNG states it holds, rank by rank, to check what the resume restores
+            saved = torch.load(chosen[-1], map_location="cpu", weights_only=True).get("rng", [])
+            note(record, saved_rng=[course.rng_digest(r["cpu"]) for r in saved
+                                    if isinstance(r, dict) and "cpu" in r])
         return chosen[-1]
 
     def train_and_note(*args, **kwargs):
         first.append(inspect.signature(train).bind(*args, **kwargs).arguments["step"])
-        note(record, resumed_from=chosen[0], start=first[0])
+        note(record, resumed_from=chosen[0] if chosen else "never called", start=first[0])
         return train(*args, **kwargs)
     lesson_module.find_checkpoint, lesson_module.train = find_and_keep, train_and_note
     return first
@@ -100,10 +104,20 @@ def torchrun_worker(settings):
     out_dir, run, broken = settings["out_dir"], settings["run"], settings["broken"]
     record = os.path.join(out_dir, f"{run}-attempt{attempt}-rank{rank}.json")
     note(record, pid=os.getpid())  # lets the parent stop this process if torchrun hangs
+    stacks = os.path.join(out_dir, f"{run}-stacks-attempt{attempt}")
+    os.makedirs(stacks, exist_ok=True)
+    course.dump_stacks_on_signal(stacks, rank)  # a hang's report: where this rank waits
     if broken == "no-rng-restore":  # the lesson calls them only when it resumes
         torch.set_rng_state = torch.cuda.set_rng_state = lambda *args, **kwargs: None
     if broken == "plain-init":
         lesson.init_distributed = plain_init
+    set_rng_state = torch.set_rng_state
+
+    def set_and_note(state, *args, **kwargs):  # which saved state took effect, for the diagnosis
+        set_rng_state(state, *args, **kwargs)
+        if course.rng_digest() == course.rng_digest(state):
+            note(record, restored=course.rng_digest(state))
+    torch.set_rng_state = set_and_note
     first, done = note_where_it_starts(lesson, record), [0]
 
     def after_each_step(optimizer, args, kwargs):
@@ -207,7 +221,7 @@ def launch(run, args, out_dir, max_restarts, kill_step, crash_rank=None):
             open(os.path.join(out_dir, f"{run}.err"), "w+") as err:
         proc = subprocess.Popen(command, stdout=log, stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
-            code = proc.wait(timeout=2 * args.timeout + 60)  # longer than any collective may wait
+            code = wait_watching(proc, out_dir, run, 2 * args.timeout + 60)
         except subprocess.TimeoutExpired:
             stop(proc, out_dir, run)
             code = None
@@ -216,6 +230,31 @@ def launch(run, args, out_dir, max_restarts, kill_step, crash_rank=None):
             raise
         err.seek(0)
         return code, time.perf_counter() - start, err.read()
+
+
+HANGS = {}  # run: (the hang's report, its likely cause), when the lab stopped a hung launch
+
+
+def wait_watching(proc, out_dir, run, limit):
+    """proc.wait(limit), watching the workers of the newest attempt (pids from their records): all
+    of them idle for course.STALL_SECONDS is a hang, named (course.HangWatch) and stopped."""
+    deadline, watches = time.monotonic() + limit, {}
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, limit)
+        found = attempts(out_dir, run)
+        if found:
+            attempt = max(found)
+            pids = {r: rec["pid"] for r, rec in found[attempt].items() if "pid" in rec}
+            live = {r: p for r, p in pids.items() if course.cpu_seconds(p) is not None}
+            stacks = os.path.join(out_dir, f"{run}-stacks-attempt{attempt}")
+            watch = watches.setdefault(attempt, course.HangWatch(stacks))
+            if len(pids) == WORLD and live and watch.stalled(live):
+                HANGS[run] = watch.name_the_hang(live, {r: "?" for r in pids if r not in live})
+                stop(proc, out_dir, run)
+                return None
+        time.sleep(0.5)
+    return proc.returncode
 
 
 def attempts(out_dir, run):
@@ -296,6 +335,15 @@ def main(argv=None):
     if args.as_torchrun_worker:
         return torchrun_worker(json.loads(args.as_torchrun_worker))
     refuse_without_torchrun()
+    alone = None if args.crash_rank is not None else plain_python(args.timeout)
+    if alone:
+        course.report_proof(False, "the lesson runs under plain python, as a world of one", alone,
+                            "no error")
+        course.report_cause(
+            f"main() needs torchrun's variables: under plain `python` it raised {alone}; when RANK "
+            f"is not set, set a world of one (RANK=0, WORLD_SIZE=1, ...) before reading them "
+            f"({lesson_lines()['alone']})")
+        return 1
     resume_step, kill_step = kill_schedule(args.epochs)
     backend, reason = lesson.choose_backend(WORLD)
     print(f"backend: {backend} ({reason}); torchrun --standalone --nproc-per-node {WORLD} "
@@ -329,11 +377,16 @@ def main(argv=None):
                  "torchrun --max-restarts 1")
         if code != 0:
             print(stderr, file=sys.stderr, end="")
+            if "crashed" in HANGS:
+                print(f"\nRUN FAILED: {HANGS['crashed'][0]}", file=sys.stderr)
             why = "the launch hung and was stopped" if code is None else f"torchrun gave up (exit {code})"
-            return course.report_proof(False, f"{claim}: {why}, the run never finished",
-                                       "no final weights to compare", "0")
+            course.report_proof(False, f"{claim}: {why}, the run never finished",
+                                "no final weights to compare", "0")
+            failed_launch_cause(out_dir, stderr)
+            return 1
         straight, resumed = ([torch.load(os.path.join(out_dir, f"{run}-rank{r}.pt"), weights_only=True)
                               for r in range(WORLD)] for run in ("uninterrupted", "crashed"))
+        found = attempts(out_dir, "crashed")
     start = resumed[0]["start"]
     dloss = max(abs(a - b) for s, r in zip(straight, resumed) for a, b in zip(s["losses"][start:], r["losses"]))
     same_losses = all(s["losses"][start:] == r["losses"] for s, r in zip(straight, resumed))
@@ -344,13 +397,98 @@ def main(argv=None):
           f"{'identical' if same_losses else 'DIFFERENT'} (max |dloss| {dloss:.1e})")
     print(f"final weights, both ranks: {'identical' if same_weights else 'DIFFERENT'} (max |dw| {dw:.1e})")
     restarted = resumed[0]["attempt"] >= 1 and start == resume_step
-    return course.report_proof(
+    code = course.report_proof(
         restarted and same_losses and same_weights,
         f"{claim} restarted the group, the lesson resumed from step {start}"
         + ("" if restarted else f" (expected a restart from step {resume_step})")
         + f": final weights {'bit-identical' if same_weights else 'NOT identical'} to an "
         "uninterrupted run", f"torch.equal; max |dw| {dw:.1e}", "0")
+    if code:
+        resumed_cause(found, start, resume_step, straight, resumed)
+    return code
+
+
+LINES = {"restore": 'torch.set_rng_state(state["rng"][rank]["cpu"]', "prefix": "dist.PrefixStore(",
+         "find": "resume = find_checkpoint(folder, config)", "alone": 'if "RANK" not in os.environ'}
+
+
+def lesson_lines():
+    return {k: course.lesson_line("05_torchrun_elastic/torchrun_elastic.py", v)
+            for k, v in LINES.items()}
+
+
+def plain_python(timeout):
+    """The lesson's main() in this process, as `python torchrun_elastic.py` runs it (no torchrun
+    variables), for one epoch: None, or the error it raised, in one line."""
+    saved = dict(os.environ)
+    for name in list(os.environ):
+        if name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT", "GROUP_RANK") or name.startswith("TORCHELASTIC_"):
+            del os.environ[name]
+    try:
+        with tempfile.TemporaryDirectory(prefix="alone05_") as folder, \
+                contextlib.redirect_stdout(open(os.devnull, "w")):
+            lesson.main(1, DEFAULTS["batch_size"], DEFAULTS["lr"], folder, timeout)
+        return None
+    except Exception as error:  # the learner's file: what it raised is the finding
+        return f"{type(error).__name__}: {error}"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def failed_launch_cause(out_dir, stderr):
+    """Why the crashed run's launch never finished, from the workers' records and torchrun's log."""
+    lines, found = lesson_lines(), attempts(out_dir, "crashed")
+    killed = [a for a, ranks in found.items() if any("killed_after_step" in r for r in ranks.values())]
+    connect = [a for a, ranks in found.items() if a > 0 and any(
+        "connect" in r.get("error", "") and "start" not in r for r in ranks.values())]
+    never = [(a, r) for a, ranks in found.items() for r, rec in ranks.items()
+             if rec.get("resumed_from") == "never called"]
+    learner = course.cause_of_rank_error(stderr)
+    return course.diagnose([
+        (bool(never), f"rank {never[0][1] if never else 0} never called find_checkpoint (attempt "
+                      f"{never[0][0] if never else 0}): every rank must find and load the "
+                      f"checkpoint before training ({lines['find']})"),
+        ("crashed" in HANGS, HANGS.get("crashed", ("", ""))[1]),
+        (bool(connect), f"the restarted group could not connect (attempt {(connect or [0])[0]}: "
+                        f"a rank failed in init before training) while attempt 0 did: restarted "
+                        f"ranks read the dead attempt's addresses from torchrun's store, which "
+                        f"outlives a restart; give each attempt its own key prefix "
+                        f"({lines['prefix']})"),
+        (len(killed) == len(found) > 1,
+         f"a rank died at the same step in every attempt ({len(killed)} of {len(found)}): a "
+         f"failure that repeats is a bug in the code or the data, which no restart fixes; "
+         f"torchrun gave up after --max-restarts"),
+        (learner is not None, learner or ""),
+    ], f"torchrun gave up; attempts {sorted(found)}: see torchrun's log above")
+
+
+def resumed_cause(found, start, resume_step, straight, resumed):
+    """Why a resumed run that finished is not the uninterrupted one, from the workers' records."""
+    lines = lesson_lines()
+    last = found.get(max(found), {}) if found else {}
+    saved = {r: rec.get("saved_rng") for r, rec in last.items()}
+    not_restored = [r for r, rec in last.items() if saved[r] and r < len(saved[r])
+                    and rec.get("restored") != saved[r][r]]
+    rank0 = [r for r in not_restored if r > 0 and last[r].get("restored") == saved[r][0]]
+    step = next((i for i, (a, b) in enumerate(zip(straight[0]["losses"][start:],
+                                                  resumed[0]["losses"])) if a != b), None)
+    return course.diagnose([
+        (start != resume_step, f"the restarted attempt resumed from step {start}, not from the "
+                               f"last checkpoint (step {resume_step}): compare find_checkpoint "
+                               f"({lines['find']})"),
+        (bool(rank0), f"rank(s) {', '.join(map(str, rank0))} restored rank 0's RNG state: "
+                      f"restore rng[rank] ({lines['restore']})"),
+        (bool(not_restored),
+         f"the resumed ranks do not restore their RNG state (rank(s) "
+         f"{', '.join(map(str, not_restored))}: no set_rng_state with the saved state took "
+         f"effect): dropout draws other masks after the restart ({lines['restore']})"),
+    ], f"the resumed run restored every rank's RNG state, yet its losses part from the "
+       f"uninterrupted run's at step {start + 1 + (step or 0)}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -43,6 +44,9 @@ def test_resuming_without_the_rng_states_fails_the_proof():
     assert "attempt 1: find_checkpoint chose the checkpoint of step 10" in result.stdout, "failed otherwise?"
     proof = last_line_matching("^PROOF", result.stdout)
     assert proof.startswith("PROOF FAILED") and number_after("max |dw|", proof) > 1e-3, proof
+    assert result.stdout.splitlines()[-1].startswith(
+        "LIKELY CAUSE: the resumed ranks do not restore their RNG state (rank(s) 0, 1: no "
+        "set_rng_state with the saved state took effect)"), result.stdout[-1000:]
 
 
 def test_a_rank_that_dies_in_every_attempt_makes_torchrun_give_up(lesson):
@@ -54,6 +58,61 @@ def test_a_rank_that_dies_in_every_attempt_makes_torchrun_give_up(lesson):
     assert "attempt 1: find_checkpoint chose the checkpoint of step 5" in result.stdout, result.stdout
     proof = last_line_matching("^PROOF", result.stdout)
     assert proof.startswith("PROOF FAILED") and "torchrun gave up (exit 1)" in proof, proof
+    assert result.stdout.splitlines()[-1].startswith(
+        "LIKELY CAUSE: a rank died at the same step in every attempt (2 of 2)"), result.stdout
+
+
+def test_a_lesson_without_the_world_of_one_fails_and_says_so(lab, monkeypatch):
+    """Plain `python my_file.py` raised KeyError: 'RANK' while the lab passed (issue 31): the lab
+    now runs main() as plain python does, in this process, and reports what it raised."""
+    assert lab.plain_python(30) is None  # the lesson's own main(): a world of one
+    text = SCRIPT.read_text()
+    start = text.index('    if "RANK" not in os.environ:')
+    end = text.index("    rank, world_size = int(")
+    alone = load_script(SCRIPT, "torchrun_elastic_no_world_of_one")
+    exec(compile(text[:start] + text[end:], str(SCRIPT), "exec"), alone.__dict__)
+    monkeypatch.setattr(lab, "lesson", alone)
+    assert lab.plain_python(30) == "KeyError: 'RANK'"
+    assert "RANK" not in os.environ or os.environ["RANK"] == ORIGINAL_RANK
+
+
+ORIGINAL_RANK = os.environ.get("RANK")
+
+
+def test_a_rank_that_never_calls_find_checkpoint_is_noted_not_an_index_error(lab, tmp_path):
+    """find_checkpoint on rank 0 only ended lab 05 in IndexError at its own chosen[0]."""
+    fake = type("Lesson", (), {})()
+    fake.find_checkpoint = lambda folder, config: None
+    fake.train = lambda model, loader, optimizer, epochs, device, step, *rest: "trained"
+    record = str(tmp_path / "crashed-attempt0-rank1.json")
+    lab.note_where_it_starts(fake, record)
+    assert fake.train(None, None, None, 1, "cpu", 0) == "trained"  # find_checkpoint never called
+    assert json.load(open(record)) == {"resumed_from": "never called", "start": 0}
+
+
+def test_a_hung_launch_is_named_within_seconds(lab, monkeypatch, tmp_path):
+    """Every worker idle (their pids from the records): wait_watching names the hang and stops the
+    launch; here 2 idle processes that dump their stacks on SIGUSR1 stand in for the ranks."""
+    monkeypatch.setattr(lab.course, "STALL_SECONDS", 2)
+    stacks = tmp_path / "crashed-stacks-attempt0"
+    stacks.mkdir()
+    idle = ("import faulthandler, signal, sys, time\n"
+            "faulthandler.register(signal.SIGUSR1, file=open(sys.argv[1], 'w'), all_threads=True)\n"
+            "def wait_for_a_peer():\n    time.sleep(120)\nwait_for_a_peer()\n")
+    workers = [subprocess.Popen([sys.executable, "-c", idle, str(stacks / f"stack-rank{r}.txt")])
+               for r in range(2)]
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        for rank, worker in enumerate(workers):
+            (tmp_path / f"crashed-attempt0-rank{rank}.json").write_text(json.dumps({"pid": worker.pid}))
+        assert lab.wait_watching(launcher, str(tmp_path), "crashed", 60) is None
+        report, cause = lab.HANGS["crashed"]
+        assert "the run hung: no rank used the CPU for 2 s" in report, report
+        assert "rank 0 waits in a wait outside torch.distributed" in report, report
+        assert launcher.poll() is not None and all(w.wait(10) is not None for w in workers)
+    finally:
+        for proc in (*workers, launcher):
+            proc.kill()
 
 
 def test_a_crashed_rank_stops_the_run(lesson):
