@@ -108,6 +108,9 @@ def spawn_fresh_or_fail(fn, args, nprocs):
         mp.spawn(fn, args=args, nprocs=nprocs, join=True)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         print(f"\nRUN FAILED: a process stopped with an error, so both were stopped.\n{e}", file=sys.stderr)
+        cause = course.cause_of_rank_error(str(e))  # where a learner's file (--lesson) raised
+        if cause:
+            course.report_cause(cause, sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -172,8 +175,47 @@ def main(argv=None):
           + " (torch.initial_seed())")
     print("data set sha256: " + ", ".join(p["data"] for p in processes))
     passed, claim, measured = verdict(processes, args.epochs)
-    return course.report_proof(passed, claim, measured, f"{TOLERANCE:g}")
+    code = course.report_proof(passed, claim, measured, f"{TOLERANCE:g}")
+    if code:
+        likely_cause(processes, args.epochs)
+    return code
+
+
+def likely_cause(processes, epochs):
+    """The last line of a failed proof: which typical mistake the measurements fit (never read
+    from the learner's source), else what was measured."""
+    where = lambda text: course.lesson_line("00_single_process/single_process.py", text)  # noqa
+    first, second = processes[0], processes[-1]
+    at_start = course.max_abs_diff(first["start"], second["start"])
+    at_end = course.max_abs_diff(first["end"], second["end"])
+    moved = course.max_abs_diff(first["start"], first["end"])
+    apart = next((i for i, (a, b) in enumerate(zip(first["losses"], second["losses"]), 1)
+                  if a != b), None)
+    means = epoch_means(first["losses"], epochs)
+    measured = (f"data sets {'equal' if first['data'] == second['data'] else 'different'}; "
+                f"start weights {at_start:.1e} apart, end weights {at_end:.1e} apart; "
+                + (f"the losses part at step {apart}" if apart else "the losses agree at every step")
+                + f"; the weights moved {moved:.1e}; mean loss {means[0]:.4f} -> {means[-1]:.4f}")
+    course.diagnose([
+        (first["data"] != second["data"],
+         f"the data set is drawn from the global RNG, seeded differently in each fresh process: "
+         f"the {len(processes)} processes built different data sets (their sha256 above); draw "
+         f"it from its own generator, "
+         f"torch.Generator().manual_seed(seed) ({where('torch.Generator().manual_seed(seed)')})"),
+        (at_start > TOLERANCE,
+         f"the model is built without torch.manual_seed: the same data, but the {len(processes)} "
+         f"processes start {at_start:.1e} apart; seed right before building it "
+         f"({where('torch.manual_seed(seed)')})"),
+        (at_end > TOLERANCE and apart is not None,
+         f"training draws from the global RNG: the same data and start weights, but the losses "
+         f"part at step {apart} (a DataLoader without its own generator, dropout from an unseeded "
+         f"RNG); give the loader generator=torch.Generator().manual_seed(0) "
+         f"({where('generator=torch.Generator().manual_seed(0)')})"),
+        (moved == 0.0,
+         f"the weights never moved: {len(first['losses'])} losses but max |dw| 0 from the start; "
+         f"optimizer.step() after loss.backward(), each step ({where('optimizer.step()')})"),
+    ], measured)
 
 
 if __name__ == "__main__":  # required: mp.spawn re-imports this file in every child
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

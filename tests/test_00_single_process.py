@@ -67,13 +67,30 @@ def test_data_from_the_global_rng_fails_the_proof():
     assert at_end > 1e-3, "other data must end far apart, not at rounding level"
     data = printed_pair("data set sha256:", result.stdout)
     assert len(data) == 2 and data[0] != data[1]
+    assert re.fullmatch(r"LIKELY CAUSE: the data set is drawn from the global RNG, seeded differently "
+                        r"in each fresh process: the 2 processes built different data sets \(their "
+                        r"sha256 above\); .* "
+                        r"\(single_process\.py line \d+\)", result.stdout.strip().splitlines()[-1])
 
 
-def test_an_unseeded_model_fails_the_proof(lesson):
-    result = lesson.run(LAB, "--break", "unseeded-model", timeout=100)
-    assert result.returncode == 1, result.stderr[-3000:]
-    passed, line, at_start, at_end, _, _ = proof(result.stdout)
+def test_an_unseeded_model_and_a_crash_in_the_learners_file_name_their_causes(lesson, tmp_path):
+    """--break unseeded-model, and beside it a learner's file (--lesson) that raises in its own
+    make_model: each ends with its LIKELY CAUSE line (stdout after PROOF FAILED; stderr after RUN
+    FAILED)."""
+    mine = (REPO / LESSON).read_text().replace("torch.manual_seed(seed)  #", "torch.manual_seed(seed / 0)  #")
+    (tmp_path / "my_crash.py").write_text(mine)
+    runs = [lesson.start(LAB, *args) for args in (["--break", "unseeded-model"],
+                                                  ["--lesson", tmp_path / "my_crash.py"])]
+    (out, err), (_, crashed) = [run.communicate(timeout=100) for run in runs]
+    assert [run.returncode for run in runs] == [1, 1], err[-3000:]
+    passed, line, at_start, at_end, _, _ = proof(out)
     assert not passed and at_start > 1e-3 and at_end > 1e-3, line
+    assert re.fullmatch(r"LIKELY CAUSE: the model is built without torch\.manual_seed: the same data, "
+                        r"but the 2 processes start \S+ apart; .* \(single_process\.py line \d+\)",
+                        out.strip().splitlines()[-1])
+    assert "RUN FAILED" in crashed and re.fullmatch(
+        r"LIKELY CAUSE: rank \d raised ZeroDivisionError: division by zero in your file \(my_crash\.py "
+        r"line \d+, in make_model\): fix it there", crashed.strip().splitlines()[-1])
 
 
 def test_impossible_input_is_refused_before_any_process_starts(prove, capsys):
