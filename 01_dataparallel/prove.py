@@ -232,12 +232,74 @@ def main(argv=None):
     passed, measured = verdict(steps, batches, d_out, d_grad, d_end, here_diff, tolerance)
     what = f"nn.DataParallel on {args.replicas} GPUs" if on_gpus else \
         f"the hand-written DataParallel ({args.replicas} replica threads)"
-    return course.report_proof(
+    code = course.report_proof(
         passed, f"at each step {what} {'gives' if passed else 'does NOT give'} the unwrapped "
         f"model's outputs and gradients on the whole batch of {args.batch_size}, and "
         f"{'ends' if d_end <= tolerance else 'does NOT end'} with lesson 00's weights", measured,
         f"{tolerance:.0e}")
+    if code:
+        likely_cause(steps, batches, args.replicas, tolerance, len(batches) // args.epochs)
+    return code
+
+
+def likely_cause(steps, batches, replicas, tolerance, per_epoch):
+    """The last line of a failed proof: which typical mistake the measurements fit (never read
+    from the learner's source), else what was measured. At step 1, the lesson's gradient against
+    the unwrapped model's on the whole batch and on replica 0's rows alone."""
+    where = lambda text: course.lesson_line("01_dataparallel/dataparallel.py", text)  # noqa
+    if not steps:
+        return course.report_unknown("no optimizer step was taken")
+    model = load_single_process().make_model()
+    (x, y), step = batches[0], steps[0]
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), step["weights"]):
+            p.copy_(w)
+    flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
+    out = model(x)
+    whole = flat(torch.autograd.grad(nn.functional.cross_entropy(out, y), list(model.parameters())))
+    rows = sorted(step["calls"], key=replica_index)[0][1] if step["calls"] else len(x)
+    first_rows = flat(torch.autograd.grad(nn.functional.cross_entropy(
+        model(x[:rows]), y[:rows], reduction="sum") / len(x), list(model.parameters())))
+    mine = flat(step["grads"])
+    ratio = (mine.norm() / whole.norm()).item()
+    only_first = (mine - first_rows).abs().max().item()
+    scaled = (mine - whole / replicas).abs().max().item()
+    d_out = [(out.detach() - gathered(step["calls"])).abs().max().item() if step["calls"] else 0.0]
+    for (xb, _), later in zip(batches[1:], steps[1:]):  # each step's outputs at its own weights
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), later["weights"]):
+                p.copy_(w)
+            d_out.append((model(xb) - gathered(later["calls"])).abs().max().item())
+    bad = next((i for i, d in enumerate(d_out, 1) if d > tolerance), None)
+    measured = (f"step 1: the gradient is {ratio:.2f} times the whole batch's (max |dg| "
+                f"{(mine - whole).abs().max().item():.1e}), {only_first:.1e} from replica 0's "
+                f"{rows} rows alone; " + (f"the outputs part from the unwrapped model's at step "
+                                          f"{bad}" if bad else "the outputs agree at every step"))
+    course.diagnose([
+        (bad == 1,
+         f"the gathered output is not the unwrapped model's on the whole batch: step 1's outputs "
+         f"differ by {d_out[0]:.1e}; scatter in chunks along dim 0 and gather them in chunk order "
+         f"({where('torch.cat(outputs)')})"),
+        (bad is not None and bad > 1,
+         f"the replicas run on stale weights: the outputs equal the unwrapped model's at step 1 "
+         f"and part at step {bad}; replicate the module at every forward "
+         f"({where('replicate(self.module')})"),
+        (replicas > 1 and only_first <= tolerance and (mine - whole).abs().max() > tolerance,
+         f"only replica 0's gradient reaches the model: at step 1 the gradient equals that of its "
+         f"{rows} rows alone (max |dg| {only_first:.1e}), {ratio:.2f} times the whole batch's; the "
+         f"replicas' parameters must be differentiable copies, p.clone(), not detached "
+         f"({where('name: p.clone() for name, p in module.named_parameters()')})"),
+        (replicas > 1 and scaled <= tolerance,
+         f"the replicas' gradients are averaged, not summed: at step 1 the gradient is {ratio:.2f} "
+         f"times the whole batch's (1/{replicas}, max |dg| {scaled:.1e} from it); the mean loss "
+         f"over the whole batch already averages, and backward sums the replicas' parts "
+         f"({where('SUMMED into the module')})"),
+        (abs(ratio - replicas) < 0.01 * replicas and replicas > 1,
+         f"the gradient is {ratio:.2f} times the whole batch's ({replicas} replicas): each replica's "
+         f"loss is a mean over its chunk and the replicas' gradients add up; one loss, on the "
+         f"gathered output ({where('ONE loss, on the gathered output')})"),
+    ], measured)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

@@ -8,6 +8,7 @@ import inspect
 import re
 import shutil
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -71,9 +72,12 @@ def test_detached_replicas_fail_the_proof_on_gradients_not_outputs():
     assert not passed and seen == steps
     assert d_out <= TOLERANCE, "the forward is still right: only replica 1's gradient is lost"
     assert d_grad > 1e-3 and d_end > 1e-3
+    assert re.fullmatch(r"LIKELY CAUSE: only replica 0's gradient reaches the model: at step 1 the "
+                        r"gradient equals that of its 16 rows alone \(max \|dg\| \S+\), \S+ times the "
+                        r"whole batch's; .* \(dataparallel\.py line \d+\)", result.stdout.strip().splitlines()[-1])
 
 
-def test_averaged_gradients_are_half_the_real_gradient(prove):
+def test_averaged_gradients_are_half_the_real_gradient(prove, capsys):
     """--break averaged-gradients, in-process: at step 1 (the same start) each gradient is the
     true one divided by 2, and the lab's verdict fails."""
     steps, model, _, _ = prove.run_lesson(2, 1, 32, 0.05, "cpu", "averaged-gradients")
@@ -86,6 +90,26 @@ def test_averaged_gradients_are_half_the_real_gradient(prove):
     d_out, d_grad = prove.compare_steps(steps, batches)
     assert d_out <= TOLERANCE and d_grad > 1e-3
     assert not prove.verdict(steps, batches, d_out, d_grad, 0.0, 0.0, TOLERANCE)[0]
+    capsys.readouterr()
+    prove.likely_cause(steps, batches, 2, TOLERANCE, 8)  # the line the lab ends with
+    assert re.fullmatch(r"LIKELY CAUSE: the replicas' gradients are averaged, not summed: at step 1 the "
+                        r"gradient is 0\.50 times the whole batch's \(1/2, .* \(dataparallel\.py line \d+\)\n",
+                        capsys.readouterr().out)
+
+
+def test_a_crash_in_the_learners_file_is_one_line_naming_it(monkeypatch, tmp_path, capsys):
+    """--lesson my_crash.py, in this process: the learner's replicate raises, and the lab ends with
+    one LIKELY CAUSE line on stderr (course.run_lab), not a traceback through the lab's code."""
+    mine = (REPO / LESSON).read_text().replace("    return [(copy.deepcopy(module)",
+                                               "    return [(copy.deepcopy(module[5])")
+    (tmp_path / "my_crash.py").write_text(mine)
+    monkeypatch.setenv("COURSE_LESSON", str(tmp_path / "my_crash.py"))
+    monkeypatch.delitem(sys.modules, "dataparallel", raising=False)  # restored after the test
+    lab = load_script(REPO / LAB)
+    assert lab.course.run_lab(lab.main, ["--epochs", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"LIKELY CAUSE: your file raised IndexError: .* \(my_crash\.py "
+                                          r"line \d+, in \S+\): fix it there", err[0]), err
 
 
 def test_three_replicas_get_uneven_chunks_and_the_proof_holds(prove):
