@@ -30,10 +30,7 @@ SLURMD_NODENAME=${FAKE_NODE:-node1} exec "$@"
 TORCHRUN = """#!/bin/bash
 printf 'torchrun %s\\n' "$*"
 """
-# 11's script is a copy of 05's; its owner (the capstone's, issue 32) ports the fix: then this passes.
-SCRIPTS = ["05_torchrun_elastic/train.sbatch",
-           pytest.param("11_train_gpt/train.sbatch", marks=pytest.mark.xfail(
-               reason="05's fix not yet ported to the capstone's copy", strict=False))]
+SCRIPTS = ["05_torchrun_elastic/train.sbatch", "11_train_gpt/train.sbatch"]  # 11's: 05's, its flags
 
 
 @pytest.fixture
