@@ -237,7 +237,7 @@ def main(argv=None):
     split_ok = max(d_out, d_grad) <= TOLERANCE
     ddp_ok = vs_global <= TOLERANCE
     pipe_ok = max(vs_pipe.values()) <= TOLERANCE
-    return course.report_proof(
+    code = course.report_proof(
         split_ok and between == 0.0 and ddp_ok and pipe_ok,
         f"the split model {'equals' if split_ok else 'does NOT equal'} the unsplit one; under DDP "
         f"its {args.world_size} ranks end {'identical' if between == 0.0 else 'DIFFERENT'} and "
@@ -245,6 +245,52 @@ def main(argv=None):
         f"(GPipe, 1F1B) {'equals' if pipe_ok else 'does NOT equal'} one process on the same batches",
         f"max differences: split {max(d_out, d_grad):.1e}, DDP {vs_global:.1e}, pipeline "
         f"{max(vs_pipe.values()):.1e}", f"{TOLERANCE:.0e}")
+    if code:
+        likely_cause(args, dev0, dev1, ddp, pipes, between, vs_global, vs_pipe, d_out)
+    return code
+
+
+def likely_cause(args, dev0, dev1, ddp, pipes, between, vs_global, vs_pipe, d_out):
+    """The last line of a failed proof: which typical mistake the measurements fit (never read
+    from the learner's source), else what was measured: which stage gets a gradient in the split,
+    and which learning rate's one-process run the DDP and pipeline weights equal (a gradient K
+    times too large is, with SGD and momentum, the same run as an lr K times larger)."""
+    where = lambda text: course.lesson_line("03_model_parallel/model_parallel.py", text)  # noqa
+    x, y = lesson.make_dataset().tensors
+    split = lesson.TwoDeviceModel(lesson.make_model(), dev0, dev1)
+    out = split(x.to(dev0))
+    nn.functional.cross_entropy(out, y.to(out.device)).backward()
+    silent = [name for name, p in split.named_parameters() if p.grad is None or not p.grad.any()]
+    n, m = args.world_size, args.microbatches
+    pipe = lambda lr: max(max_diff(r[0]["params"] + r[1]["params"], train_unsplit(  # noqa: E731
+        pipeline_batches(args.epochs, 2 * args.batch_size), lr)) for r in pipes.values())
+    ddp_at = lambda lr: max_diff(ddp[0]["params"], train_unsplit(  # noqa: E731
+        global_batches(n, args.epochs, args.batch_size), lr))
+    pipe_failed, ddp_failed = max(vs_pipe.values()) > TOLERANCE, vs_global > TOLERANCE
+    pipe_m = pipe(args.lr * m) if pipe_failed else float("inf")  # inf: not measured
+    ddp_n = ddp_at(args.lr * n) if ddp_failed and between == 0.0 and n > 1 else float("inf")
+    measured = (f"split: {len(silent)} parameter(s) without a gradient, outputs {d_out:.1e} from "
+                f"the unsplit model's; DDP ranks {between:.1e} apart, {vs_global:.1e} from one "
+                f"process; pipeline {max(vs_pipe.values()):.1e} from one process"
+                + (f", {pipe_m:.1e} from one with lr x {m}" if pipe_failed else ""))
+    course.diagnose([
+        (bool(silent) and d_out <= TOLERANCE,
+         f"the activations are detached between the stages: the outputs equal the unsplit "
+         f"model's (max |dy| {d_out:.1e}) but {', '.join(silent)} get no gradient; h.to(dev1) "
+         f"keeps h in the graph ({where('h.to(self.dev1)')})"),
+        (pipe_m <= TOLERANCE,
+         f"the pipeline sums the {m} micro-batches' mean gradients: its weights equal one process "
+         f"trained with lr x {m} (max |dw| {pipe_m:.1e}); build the schedule with "
+         f"scale_grads=True ({where('scale_grads=True')})"),
+        (ddp_n <= TOLERANCE,
+         f"the DDP gradient is {n} times too large: the ranks agree and equal one process trained "
+         f"with lr x {n} (max |dw| {ddp_n:.1e}); the plain mean loss, DDP averages "
+         f"({where('DDP averages the gradients')})"),
+        (between > 0.0,
+         f"the gradients are not averaged across ranks: the {n} ranks end {between:.1e} apart; "
+         f"wrap the split model in DDP ({where('model = DDP(')})"),
+    ], measured)
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(course.run_lab(main))

@@ -5,7 +5,9 @@ Command-line runs are what a user sees (the lab's proof, its breaks, a crashed r
 copied alone); the lesson's and the lab's pieces are tested in-process, where no rank has to start."""
 import itertools
 import json
+import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -59,6 +61,9 @@ def test_break_no_grad_scale_fails_the_pipeline_proof_only():
     assert not m["passed"]
     assert m["gpipe"] > 1e-2 and m["1f1b"] > 1e-2, "4 micro-batches: gradients 4 times too large"
     assert m["dg"] == 0.0 and m["between"] == 0.0 and m["ddp"] <= TOLERANCE, "the other parts are unchanged"
+    assert re.fullmatch(r"LIKELY CAUSE: the pipeline sums the 4 micro-batches' mean gradients: its weights "
+                        r"equal one process trained with lr x 4 \(max \|dw\| \S+\); .* "
+                        r"\(model_parallel\.py line \d+\)", result.stdout.strip().splitlines()[-1])
 
 
 def test_break_detached_activations_fails_the_split_proof_only():
@@ -68,6 +73,23 @@ def test_break_detached_activations_fails_the_split_proof_only():
     assert not m["passed"]
     assert m["dy"] == 0.0 and m["dg"] > 1e-3, "the outputs are right, stage 0's gradients are missing"
     assert m["ddp"] <= TOLERANCE and m["gpipe"] <= TOLERANCE, "the ranks run the lesson unchanged"
+    assert re.fullmatch(r"LIKELY CAUSE: the activations are detached between the stages: the outputs equal "
+                        r"the unsplit model's \(max \|dy\| 0\.0e\+00\) but stage0\.0\.weight, stage0\.0\.bias "
+                        r"get no gradient; .* \(model_parallel\.py line \d+\)", result.stdout.strip().splitlines()[-1])
+
+
+def test_a_crash_in_the_learners_file_is_one_line_naming_it(monkeypatch, tmp_path, capsys):
+    """--lesson my_crash.py, in this process: the learner's make_dataset raises before any rank
+    starts, and the lab ends with one LIKELY CAUSE line on stderr (course.run_lab)."""
+    mine = (REPO / LESSON).read_text().replace("    return TensorDataset(x, y)", "    return TensorDataset(x, y[:-1])")
+    (tmp_path / "my_crash.py").write_text(mine)
+    monkeypatch.setenv("COURSE_LESSON", str(tmp_path / "my_crash.py"))
+    monkeypatch.delitem(sys.modules, "model_parallel", raising=False)  # restored after the test
+    lab = load_script(REPO / LAB)
+    assert lab.course.run_lab(lab.main, []) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"LIKELY CAUSE: your file raised AssertionError: .* \(my_crash\.py "
+                                          r"line \d+, in make_dataset\): fix it there", err[0]), err
 
 
 def test_a_crashed_rank_stops_the_run(lesson):
