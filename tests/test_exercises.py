@@ -17,11 +17,15 @@ EXERCISES = ["02_ddp_spawn", "04_sampler_checkpoint", "05_torchrun_elastic", "07
 # what the lab must say. Each edit must match the solution exactly once.
 MISTAKES = {
     "02_ddp_spawn": ([("        loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same "
-                       "one on every rank\n", "")], [], "PROOF FAILED", "NOT equal to lesson 00"),
+                       "one on every rank\n", "")], [], "PROOF FAILED",
+                     "LIKELY CAUSE: the sampler is not told the epoch (set_epoch): epoch 0 equals "
+                     "one process, epoch 1 repeats epoch 0's shuffle"),
     "04_sampler_checkpoint": ([('torch.set_rng_state(state["rng"][rank]["cpu"].cpu())', "pass")], [],
-                              "PROOF FAILED", "NOT identical to an uninterrupted run"),
+                              "PROOF FAILED", "LIKELY CAUSE: the resumed ranks do not restore their "
+                              "RNG state (no set_rng_state with the saved state took effect)"),
     "05_torchrun_elastic": ([('torch.set_rng_state(state["rng"][rank]["cpu"].cpu())', "pass")], [],
-                            "PROOF FAILED", "NOT identical to an uninterrupted run"),
+                            "PROOF FAILED", "LIKELY CAUSE: the resumed ranks do not restore their RNG "
+                            "state (rank(s) 0, 1: no set_rng_state with the saved state took effect)"),
     "07_fsdp_dcp": ([("        for layer in [m for m in model if isinstance(m, nn.Linear)] + [model]:"
                       "  # the root last\n            fully_shard(layer, mesh=mesh)  # a layer is "
                       "all-gathered just when it runs\n        optimizer = torch.optim.SGD(model."
@@ -146,6 +150,8 @@ def test_a_typical_mistake_fails_its_lab(lesson, tmp_path):
     result = run_lesson(f"{lesson}/prove.py", "--lesson", mine, *extra, timeout=200)
     out = result.stdout + result.stderr
     assert result.returncode == 1 and verdict in out and message in out, out[-3000:]
+    if message.startswith("LIKELY CAUSE"):  # the lab's diagnosis is its last word
+        assert result.stdout.strip().splitlines()[-1].startswith(message), result.stdout[-1500:]
 
 
 @pytest.mark.parametrize("lesson", EXERCISES)
