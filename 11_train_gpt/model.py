@@ -106,6 +106,13 @@ class GPT(nn.Module):
         return idx
 
 
+def unigram_entropy(dataset):
+    """The loss (nats per token) of a model that ignores the context: learning beats it."""
+    counts = torch.bincount(dataset.tokens.long(), minlength=256).double()
+    p = counts[counts > 0] / counts.sum()
+    return -(p * p.log()).sum().item()
+
+
 def sample(model, prompt=b"def ", new_tokens=200, seed=0):
     """A few bytes the trained model writes after `prompt` (its own generator: no global RNG)."""
     idx = torch.tensor([list(prompt)], device=next(model.parameters()).device)

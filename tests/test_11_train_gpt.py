@@ -199,7 +199,7 @@ def run_main(prove, folder, **settings):
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing(
-        prove, world_of_one, tmp_path, capsys, parallel):
+        prove, world_of_one, tmp_path, capsys, monkeypatch, parallel):
     folder = tmp_path / "run"
     run_main(prove, folder, steps=2, every=1, parallel=parallel)
     saved = sorted(p.name for p in folder.iterdir() if p.name.startswith("step"))
@@ -221,6 +221,24 @@ def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing
     refused("was saved with other settings", lr=1e-3)  # foreign: another run's settings
     refused("was saved with other settings", steps=3)  # the cosine schedule would change
     refused("was saved by --parallel", parallel="fsdp" if parallel == "ddp" else "ddp")
+    lesson, make_dataset, make_model = prove.lesson, prove.lesson.make_dataset, prove.lesson.GPT
+    def edited_data(data, context):  # a code edit, the same sizes: the last window's last byte
+        train_set, val_set, what = make_dataset(data, context)
+        train_set.tokens = train_set.tokens.clone()
+        train_set.tokens[len(train_set) * context] += 1
+        return train_set, val_set, what
+    monkeypatch.setattr(lesson, "make_dataset", edited_data)
+    refused("was saved with other settings (saved, now: {'data': (")
+    monkeypatch.setattr(lesson, "make_dataset", make_dataset)
+    class Renamed(make_model):  # the same parameters, one renamed
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.final_norm = self.norm
+            del self.norm
+    Renamed.__name__ = make_model.__name__  # only the parameter's name differs
+    monkeypatch.setattr(lesson, "GPT", Renamed)
+    refused("was saved with other settings (saved, now: {'model': (")
+    monkeypatch.setattr(lesson, "GPT", make_model)
     target.write_bytes(bytes(len(data)))  # zeroed
     refused("is damaged")
     target.write_bytes(data[:len(data) // 2])  # truncated
@@ -374,7 +392,7 @@ def copy_of_the_lesson(folder, functions, edits=()):
     shutil.copytree(FOLDER, folder, ignore=shutil.ignore_patterns("prove.py", "*.md", "*.png",
                                                                   "__pycache__", "*.sbatch"))
     script = (folder / "train_gpt.py").read_text()
-    start, end = script.index("def make_dataset("), script.index("def unigram_entropy(")
+    start, end = script.index("def make_dataset("), script.index("def step_windows(")
     script = script[:start] + functions.lstrip() + "\n\n" + script[end:]
     for old, new in edits:
         assert script.count(old) == 1, old
