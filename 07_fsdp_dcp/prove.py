@@ -98,7 +98,9 @@ def keep_full_state(function, kept, label):
 def reshard_trade(device):
     """What `reshard_after_forward` trades, on the lesson's model and first batch in these ranks:
     all-gathers in one forward + backward, and what layer 0 holds between the two."""
-    found, all_gather = {}, dist.all_gather_single  # what FSDP2 calls (torch 2.15)
+    # what FSDP2 calls: dist.all_gather_single in torch 2.15, dist.all_gather_into_tensor in 2.11
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    found, all_gather = {}, getattr(dist, name)
     for reshard in (True, False):
         calls = []
         model = lesson.make_model().to(device)
@@ -106,14 +108,14 @@ def reshard_trade(device):
         for layer in [m for m in model if isinstance(m, nn.Linear)] + [model]:
             lesson.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         x, y = next(iter(DataLoader(lesson.make_dataset(), batch_size=16)))
-        dist.all_gather_single = lambda *args, **kwargs: calls.append(1) or all_gather(*args, **kwargs)
+        setattr(dist, name, lambda *args, **kwargs: calls.append(1) or all_gather(*args, **kwargs))
         try:
             loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
             held = model[0].weight  # between forward and backward
             shape = (held.to_local() if isinstance(held, DTensor) else held).shape
             loss.backward()
         finally:
-            dist.all_gather_single = all_gather
+            setattr(dist, name, all_gather)
         found[reshard] = (len(calls), "x".join(map(str, shape)))
     return found
 

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.nn.functional as old_functional  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from torch.distributed._functional_collectives import all_gather_single_autograd  # noqa: E402
+from torch.distributed import _functional_collectives as funcol  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
@@ -187,8 +187,14 @@ def context_parallel_attention(q, k, v, group, gather):
 def autograd_all_gather(x, group):  # its backward reduce-scatters: each rank gets its gradient
     """All-gathers dim 2 (the sequence). The function's docstring promises dim 0 only (its code,
     torch 2.15, does the others too): the sequence goes to dim 0 and back. A private module:
-    torch's public all-gathers have no autograd, or the old one below."""
-    return all_gather_single_autograd(x.movedim(2, 0).contiguous(), 0, group).movedim(0, 2)
+    torch's public all-gathers have no autograd, or the old one below. Its name: torch 2.15's
+    all_gather_single_autograd; before, all_gather_tensor_autograd (2.15 deprecates that name)."""
+    gather = getattr(funcol, "all_gather_single_autograd", None) or \
+        funcol.all_gather_tensor_autograd
+    gathered = gather(x.movedim(2, 0).contiguous(), 0, group)
+    if gathered.requires_grad:  # 2.11's backward reduce-scatters the gradient as it comes, and
+        gathered.register_hook(torch.Tensor.contiguous)  # refuses it non-contiguous (movedim's)
+    return gathered.movedim(0, 2)
 
 
 def old_all_gather(x, group):
