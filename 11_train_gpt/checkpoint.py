@@ -1,15 +1,13 @@
-"""Checkpoints that lose nothing, for train_gpt.py (lessons 04, 05 and 07 together).
-
-DDP: rank 0 writes one file, stepNNNNNNN-<sha256>.pt, whose name carries its bytes' checksum.
-FSDP: a folder stepNNNNNNN/ that DCP fills with every rank's shards, then train_state.pt (step,
-config, scheduler, every rank's RNG state) and sha256.txt, the checksum of every file, written
-last. Both are written under a .tmp name and renamed when whole: a crash leaves older ones whole.
-"""
+"""Checkpoints that lose nothing, for train_gpt.py (lessons 04, 05 and 07 together). DDP: one
+file, stepNNNNNNN-<sha256>.pt; FSDP: a folder stepNNNNNNN/ of DCP's shards, train_state.pt (step,
+config, scheduler, RNG states) and sha256.txt, every file's checksum, written last. Both are written
+as .tmp and renamed when whole: a crash leaves the older ones whole."""
 import glob
 import hashlib
 import io
 import os
 import shutil
+import sys
 
 import torch
 import torch.distributed as dist
@@ -27,8 +25,7 @@ def sha256(path):
 
 
 def rng_states(device, group):
-    """The RNG states of `group`'s ranks, the data-parallel ones (--tp: a copy's ranks hold the
-    same, its dropout's): dropout continues where it stopped."""
+    """The data-parallel ranks' RNG states (--tp: a copy's ranks hold the same): for dropout."""
     mine = {"cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
     states = [None] * dist.get_world_size(group)
@@ -41,6 +38,7 @@ def fsync_rename(tmp, path):
     for file in [tmp] if os.path.isfile(tmp) else glob.glob(os.path.join(tmp, "*")):
         with open(file, "rb+") as f:
             os.fsync(f.fileno())
+    shutil.rmtree(path, ignore_errors=True)  # a damaged folder of this step, which find passed over
     os.replace(tmp, path)
     if os.name == "posix":
         fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
@@ -94,33 +92,36 @@ def verify(path):
     for name, digest in listed.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file) or sha256(file) != digest:
-            raise BadCheckpoint(f"{file} is damaged or missing: its sha256 is not the one in "
-                                "sha256.txt")
+            raise BadCheckpoint(f"{file} is damaged or missing: its sha256 is not sha256.txt's")
 
 
-def find(folder, config, parallel):
-    """The newest checkpoint in `folder` for this run, checked, or None. Raises BadCheckpoint for
-    a damaged one, one of the other kind (DDP or FSDP) or one of other settings."""
-    found = sorted(glob.glob(os.path.join(folder, "step[0-9]*[0-9t]")))
-    if not found:
-        return None
-    path = found[-1]
-    kind = "ddp" if os.path.isfile(path) else "fsdp"
-    if kind != parallel:
-        raise BadCheckpoint(f"{path} was saved by --parallel {kind}, not {parallel}")
-    verify(path)
-    try:
-        state = torch.load(path if kind == "ddp" else os.path.join(path, "train_state.pt"),
-                           map_location="cpu", weights_only=True)
-    except Exception as error:  # the checksum matched: bytes that were never a checkpoint
-        raise BadCheckpoint(f"{path} cannot be read ({type(error).__name__})") from None
-    changed = {k: (state["config"].get(k), v) for k, v in config.items()
-               if state["config"].get(k) != v}
-    if changed:
-        raise BadCheckpoint(f"{path} was saved with other settings (saved, now: {changed}): "
-                            "resume with the same ones (global_batch: ranks x --accumulate x "
-                            "--batch-size), or use another --out-dir")
-    return path
+def find(folder, config, parallel, rank=0):
+    """The newest intact checkpoint of this run in `folder`, or None; a damaged one is passed over
+    with a WARNING. BadCheckpoint if none is intact, or for another kind (DDP, FSDP) or settings."""
+    damaged = []
+    for path in sorted(glob.glob(os.path.join(folder, "step[0-9]*[0-9t]")), reverse=True):
+        kind = "ddp" if os.path.isfile(path) else "fsdp"
+        if kind != parallel:
+            raise BadCheckpoint(f"{path} was saved by --parallel {kind}, not {parallel}")
+        try:
+            verify(path)
+            saved = torch.load(path if kind == "ddp" else os.path.join(path, "train_state.pt"),
+                               map_location="cpu", weights_only=True)["config"]
+        except Exception as error:  # BadCheckpoint, or bytes that were never a checkpoint
+            damaged.append(error if isinstance(error, BadCheckpoint) else
+                           f"{path} cannot be read ({type(error).__name__})")
+            continue
+        changed = {k: (saved.get(k), v) for k, v in config.items() if saved.get(k) != v}
+        if changed:
+            raise BadCheckpoint(f"{path} was saved with other settings (saved, now: {changed}): "
+                                "resume with the same ones (global_batch: ranks x --accumulate x "
+                                "--batch-size), or use another --out-dir")
+        if damaged and rank == 0:  # the one before is whole: two are kept
+            print(f"WARNING: {damaged[0]}; resuming from {path}", file=sys.stderr, flush=True)
+        return path
+    if damaged:
+        raise BadCheckpoint(f"{damaged[0]}; no intact checkpoint before it")
+    return None
 
 
 def load(path, model, optimizer, scheduler, parallel, device, group=None):

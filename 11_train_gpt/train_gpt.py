@@ -241,7 +241,7 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
                            (tp > 1 and getattr(net, "n_head", tp) % tp, "must divide the heads")]:
             if wrong:  # each rank of a copy computes whole heads
                 raise ValueError(f"--tp {tp} {why}")
-        resume = checkpoint.find(out_dir, config, parallel)
+        resume = checkpoint.find(out_dir, config, parallel, rank)
     except (ValueError, checkpoint.BadCheckpoint) as error:  # one line, from rank 0 only,
         if rank == 0:  # and nothing overwritten
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)

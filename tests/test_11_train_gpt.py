@@ -239,8 +239,12 @@ def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing
     monkeypatch.setattr(lesson, "GPT", Renamed)
     refused("was saved with other settings (saved, now: {'model': (")
     monkeypatch.setattr(lesson, "GPT", make_model)
+    older = folder / saved[0]
+    older_target = older if older.is_file() else next(older.glob("__0_0.distcp"))
+    older_data = older_target.read_bytes()
+    older_target.write_bytes(bytes(len(older_data)))  # nothing intact left to fall back on
     target.write_bytes(bytes(len(data)))  # zeroed
-    refused("is damaged")
+    refused("; no intact checkpoint before it")
     target.write_bytes(data[:len(data) // 2])  # truncated
     refused("is damaged")
     target.write_bytes(data)
@@ -252,6 +256,11 @@ def test_a_damaged_or_foreign_checkpoint_stops_with_one_line_and_changes_nothing
         manifest.write_text(listed)
     # whole again: it resumes at its last step, with nothing left to do
     assert run_main(prove, folder, steps=2, every=1, parallel=parallel)[2] == 2
+    older_target.write_bytes(older_data)  # the one before whole, the newest damaged: DDP and FSDP
+    target.write_bytes(bytes(len(data)))  # fall back to it, with a WARNING, and train again
+    capsys.readouterr()
+    assert run_main(prove, folder, steps=2, every=1, parallel=parallel)[2] == 1
+    assert f"WARNING: {target} is damaged" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("settings, message", [
