@@ -18,6 +18,8 @@ import datetime
 import functools
 import gc
 import glob
+import hashlib
+import inspect
 import math
 import os
 import shutil
@@ -35,10 +37,9 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torch.utils.tensorboard import SummaryWriter
 
 import checkpoint
-from model import GPT, sample
+from model import GPT, sample, unigram_entropy
 
 # Real text every Python has: its standard library, split by file. Bytes: 256 tokens, no tokenizer
-# (the files' bytes, and so a run's numbers, differ a little between Python versions).
 TRAIN_FILES = ["argparse.py", "calendar.py", "contextlib.py", "dataclasses.py", "difflib.py",
                "functools.py", "heapq.py", "textwrap.py"]
 VAL_FILES = ["bisect.py", "colorsys.py", "fnmatch.py", "queue.py", "sched.py"]
@@ -75,13 +76,6 @@ def make_dataset(data, context):
 def make_model(context, dropout, seed):
     torch.manual_seed(seed)  # the same initial weights in every process that builds it
     return GPT(vocab_size=256, context=context, n_layer=2, n_head=4, n_embd=64, dropout=dropout)
-
-
-def unigram_entropy(dataset):
-    """The loss (nats per token) of a model that ignores the context: learning beats it."""
-    counts = torch.bincount(dataset.tokens.long(), minlength=256).double()
-    p = counts[counts > 0] / counts.sum()
-    return -(p * p.log()).sum().item()
 
 
 def step_windows(length, step, global_batch, seed):
@@ -150,11 +144,14 @@ def clip_grad_norm(parameters, clip):
     for p in (p for p in parameters if p.grad is not None):
         meshes.setdefault(getattr(p, "device_mesh", None), []).append(p)
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in meshes.values()]
-    # --tp: torch logs once per rank that the 2-D norm takes 2 all-reduces; harmless (NOTES.md)
     norm = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
     for group in meshes.values():
         torch.nn.utils.clip_grads_with_norm_(group, clip, norm)
     return norm
+
+
+def digest(thing):  # 12 hex digits of the sha256 of its repr
+    return hashlib.sha256(repr(thing).encode()).hexdigest()[:12]
 
 
 def warmup_cosine(warmup, steps):
@@ -206,9 +203,12 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
     train_set, val_set, what = make_dataset(data, context)
     dp_size = world_size // max(tp, 1)  # copies of the model, each split over tp ranks (1: whole)
     net, global_batch = make_model(context, dropout, seed), dp_size * accumulate * batch_size
-    # Every setting that changes the numbers; world size, tp, K, batch size only split the work.
-    size = f"{type(net).__name__}: {sum(p.numel() for p in net.parameters())} parameters"
-    config = dict(data=f"{what}: {len(train_set)} + {len(val_set)} samples", model=size, lr=lr,
+    # Every setting that changes the numbers (world size, tp, K, batch size only split the work),
+    # and a hash of the code's (parameters' names, shapes, dtypes; the sets' ends; the loss)
+    named = [type(net).__name__] + [(n, p.shape, p.dtype) for n, p in net.named_parameters()]
+    ends = [torch.as_tensor(t).tolist() for s in (train_set, val_set) for t in s[0] + s[len(s) - 1]]
+    config = dict(data=f"{what}: {len(train_set)} + {len(val_set)} samples {digest(ends)}", lr=lr,
+                  model=digest(named), loss=digest(inspect.getsource(loss_fn)),
                   parallel=parallel, steps=steps, global_batch=global_batch, precision=precision,
                   dropout=dropout, context=context, seed=seed, clip=1.0, weight_decay=0.1)
     try:  # before any rank starts collectives
@@ -219,7 +219,7 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
                            (tp > 1 and getattr(net, "n_head", tp) % tp, "must divide the heads")]:
             if wrong:  # each rank of a copy computes whole heads
                 raise ValueError(f"--tp {tp} {why}")
-        resume = checkpoint.find(out_dir, config, parallel)
+        resume = checkpoint.find(out_dir, config, parallel, rank)
     except (ValueError, checkpoint.BadCheckpoint) as error:  # one line, from rank 0 only,
         if rank == 0:  # and nothing overwritten
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
@@ -303,6 +303,5 @@ if __name__ == "__main__":  # torchrun runs this file once per rank
     parser.add_argument("--batch-size", type=int, default=16, help="windows per micro-batch")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--out-dir", default="out_gpt", help="checkpoints and TensorBoard")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per copy of the "
-                        "model (needs --parallel fsdp: 2-D)")
+    parser.add_argument("--tp", type=int, default=1, help="ranks per copy (--parallel fsdp: 2-D)")
     main(**vars(parser.parse_args()), dropout=0.0)  # your dropout: make_model gets it
