@@ -298,13 +298,13 @@ def likely_cause(ranks, reference, state_bytes, ddp_bytes):
          f"all_gather_into_tensor, then copy back into the model "
          f"({zero1_line('dist.all_gather_into_tensor(')})"),
         (any(d <= TOLERANCE for d in summed.values()),
-         f"the gradients are summed over the ranks, not averaged: "
+         "the gradients are summed over the ranks, not averaged: "
          + ", ".join(f"{n} equals one process with lr x {WORLD} (max |dw| {d:.1e})"
                      for n, d in summed.items() if d <= TOLERANCE)
          + f"; divide by the world size ({overlap_line('/= world_size')}, "
          f"{zero1_line('/= world_size')})"),
         (any(d <= TOLERANCE for d in halved.values()),
-         f"the gradients are divided by the world size twice: "
+         "the gradients are divided by the world size twice: "
          + ", ".join(f"{n} equals one process with lr / {WORLD} (max |dw| {d:.1e})"
                      for n, d in halved.items() if d <= TOLERANCE)
          + f"; divide once ({overlap_line('/= world_size')}, {zero1_line('/= world_size')})"),
