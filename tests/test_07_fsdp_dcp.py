@@ -270,11 +270,11 @@ def test_global_batches_are_the_ranks_batches_concatenated(prove, world_sizes, b
 
 # --- the memory table: memory.py's committed results, quoted by the README ------------------------
 
-def test_the_readme_memory_table_is_what_memory_json_holds():
+def test_the_memory_table_is_what_memory_json_holds():
     """memory.py is not run here (NOTES.md says how long it takes); a re-run that changes its
-    results must change the README's table too."""
+    results must change the table too (NOTES.md, section 1; the README points to it)."""
     measured = json.loads((REPO / "07_fsdp_dcp" / "memory.json").read_text())["rows"]
-    readme = (REPO / "07_fsdp_dcp" / "README.md").read_text()
+    readme = (REPO / "07_fsdp_dcp" / "NOTES.md").read_text()
     shown = re.findall(r"^\| (\d+) \| ([\d.]+) MiB \| ([\d.]+) MiB \| ([\d.]+) \| [\d.]+ \| "
                        r"(\d+) / (\d+) MiB \|$", readme, re.M)
     assert [int(row[0]) for row in shown] == [row["N"] for row in measured] == [1, 2, 4]
@@ -282,7 +282,7 @@ def test_the_readme_memory_table_is_what_memory_json_holds():
         ddp, fsdp = (max(json_row[kind]["per_rank_total"]) for kind in ("ddp", "fsdp2"))
         rss = (f"{json_row[kind]['rss_growth_trimmed_mib']:.0f}" for kind in ("ddp", "fsdp2"))
         expected = (f"{ddp / 2**20:.1f}", f"{fsdp / 2**20:.1f}", f"{fsdp / ddp:.4f}", *rss)
-        assert row[1:] == expected, f"README row N={row[0]} should read {expected} (memory.json)"
+        assert row[1:] == expected, f"NOTES row N={row[0]} should read {expected} (memory.json)"
         assert abs(fsdp / ddp - 1 / json_row["N"]) < 0.001, "FSDP2 holds 1/N of DDP's bytes"
 
 
