@@ -121,6 +121,12 @@ class GlobalBatches:
 
 def train_reference(world_size, epochs, batch_size, lr, device):
     """Lesson 00's loop, one process, the global batch; returns its final weights."""
+    return train_reference_traced(world_size, epochs, batch_size, lr, device)[0]
+
+
+def train_reference_traced(world_size, epochs, batch_size, lr, device):
+    """train_reference, and what each of its steps read and did (course.StepTrace's state), and
+    the parameters' names and sizes: (weights, trace, names)."""
     single = load_single_process()
     dataset = single.make_dataset()
     loader = DataLoader(dataset, batch_sampler=GlobalBatches(dataset, world_size, batch_size))
@@ -210,7 +216,7 @@ def main(argv=None):
         seconds = time.perf_counter() - start
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), map_location="cpu", weights_only=True)
                  for r in range(args.world_size)]
-    reference, traced, names = train_reference(
+    reference, traced, names = train_reference_traced(
         args.world_size, args.epochs, args.batch_size, args.lr,
         torch.device("cuda:0" if device == "cuda" else "cpu"))
     between = max(course.max_abs_diff(ranks[0]["state"], r["state"]) for r in ranks)
