@@ -84,9 +84,14 @@ def test_a_crash_in_the_learners_file_is_one_line_naming_it(monkeypatch, tmp_pat
     mine = (REPO / LESSON).read_text().replace("    return TensorDataset(x, y)", "    return TensorDataset(x, y[:-1])")
     (tmp_path / "my_crash.py").write_text(mine)
     monkeypatch.setenv("COURSE_LESSON", str(tmp_path / "my_crash.py"))
-    monkeypatch.delitem(sys.modules, "model_parallel", raising=False)  # restored after the test
-    lab = load_script(REPO / LAB)
-    assert lab.course.run_lab(lab.main, []) == 1
+    saved = sys.modules.pop("model_parallel", None)  # the learner's file takes its name
+    try:
+        lab = load_script(REPO / LAB)
+        assert lab.course.run_lab(lab.main, []) == 1
+    finally:  # the crashing file must not stay the module the other tests import
+        sys.modules.pop("model_parallel", None)
+        if saved is not None:
+            sys.modules["model_parallel"] = saved
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.fullmatch(r"LIKELY CAUSE: your file raised AssertionError: .* \(my_crash\.py "
                                           r"line \d+, in make_dataset\): fix it there", err[0]), err
