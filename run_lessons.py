@@ -16,8 +16,11 @@ import json
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,6 +87,31 @@ GPU_PLAN = {
 }
 
 
+# The capstone at GPT-2 size (--gpu, when lesson 11 is among the lessons; before the labs, which may
+# take the minutes left): tokens/s and MFU, eager then compiled. The rehearsal on the CPU runs the
+# tiny model a few steps: the 124M one takes minutes a step on a CPU, and compiling it longer.
+LIMIT_S = {"cuda": 240, "cpu": 900}  # a run's most seconds: on a lent GPU, minutes are few
+
+
+def capstone_runs(device, out_dir):
+    size, steps = ("gpt2-124m", 200) if device == "cuda" else ("tiny", 20)
+    command = f"python 11_train_gpt/train_gpt.py --model {size} --precision bf16 --steps {steps}"
+    return [f"{command} --out-dir {out_dir}/eager", f"{command} --compile --out-dir {out_dir}/compiled"]
+
+
+def capstone_numbers(output):
+    """What the capstone printed: its parameters and GFLOP per token, and its last report's tokens/s
+    per rank and MFU (None where it printed none: MFU needs a GPU in train_gpt.PEAK_TFLOPS)."""
+    model = re.search(r"([\d,]+) parameters, ([\d.e+-]+) GFLOP per token", output)
+    steps = re.findall(r"^step (\d+)/\d+ .*?  ([\d,]+) tokens/s per rank(?: \(MFU ([\d.]+)%\))?",
+                       output, re.M)
+    step, rate, mfu = steps[-1] if steps else (None, None, None)
+    return {"parameters": model and int(model.group(1).replace(",", "")),
+            "gflop_per_token": model and float(model.group(2)), "last_report_step": step and int(step),
+            "tokens_per_s_per_rank": rate and int(rate.replace(",", "")),
+            "mfu": round(float(mfu) / 100, 4) if mfu else None}
+
+
 def planned(name, command, gpus, device="cuda"):
     """(the lab's command on a machine with `gpus` GPUs, why); device "cpu": the CPU rehearsal."""
     if name not in GPU_PLAN:
@@ -127,30 +155,47 @@ def what_ran(output):
     return "+".join(backends) or None, "+".join(devices) or None, world
 
 
-def run_and_show(argv):
-    """Runs a lab with its output (stdout and stderr, in order) shown as it comes and kept."""
+def run_and_show(argv, limit=None):
+    """Runs a lab with its output (stdout and stderr, in order) shown as it comes and kept; after
+    `limit` seconds its whole process group is killed (exit -9), so one stuck lab ends no run."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, errors="replace") as process:
+                          text=True, errors="replace", start_new_session=True) as process:
+        timer = threading.Timer(limit or 1e9, os.killpg, (process.pid, signal.SIGKILL))
+        timer.start()
         lines = []
-        for line in process.stdout:
-            print(line, end="", flush=True)
-            lines.append(line)
+        try:
+            for line in process.stdout:
+                print(line, end="", flush=True)
+                lines.append(line)
+        finally:
+            timer.cancel()
+    if process.returncode == -signal.SIGKILL:
+        lines.append(f"run_lessons.py: killed after {limit} s\n")
     return process.returncode, "".join(lines)
 
 
 def run_gpu_plan(lessons, gpus, device, results_path):
     """Every lab as GPU_PLAN says for `gpus` GPUs on `device` (cpu: the rehearsal); one row per lab
     in `results_path`; 0 if every lab exited 0."""
-    import torch  # only here: the plain runner imports no torch
+    import tempfile
 
-    from course import hardware  # the CPU's and GPUs' names, cores, torch
-    rows = []
+    rows, capstone = [], []
+    scratch = tempfile.mkdtemp(prefix="capstone-")  # checkpoints of 124M: 1.5 GB each, removed
+    for command in capstone_runs(device, scratch) if "11_train_gpt" in dict(lessons) else []:
+        print(f"\n{'=' * 100}\ncapstone: {command}\n{'=' * 100}", flush=True)
+        start = time.perf_counter()
+        code, output = run_and_show(command_argv(command), limit=LIMIT_S[device])
+        capstone.append({"command": command.replace(scratch, "OUT"), "exit": code,
+                         "seconds": round(time.perf_counter() - start, 1), **capstone_numbers(output)}
+                        | ({"last_lines": output.splitlines()[-12:]} if code else {}))
+        save_results(results_path, gpus, device, rows, capstone)
+    shutil.rmtree(scratch, ignore_errors=True)
     for name, command in lessons:
         command, why = planned(name, command, gpus, device)
         print(f"\n{'=' * 100}\n{name}: {command}\n  ({why})\n{'=' * 100}", flush=True)
         start = time.perf_counter()
-        code, output = run_and_show(command_argv(command))
+        code, output = run_and_show(command_argv(command), limit=LIMIT_S[device])
         seconds = time.perf_counter() - start
         proof, (backend, ran_on, world) = proof_of(output), what_ran(output)
         rows.append({"lab": name, "backend": backend, "device": ran_on, "world_size": world,
@@ -158,24 +203,39 @@ def run_gpu_plan(lessons, gpus, device, results_path):
                      "proof": proof and ("PASSED" if proof[0] else "FAILED"),
                      "seconds": round(seconds, 1), "exit": code, "command": command, "plan": why}
                     | ({"last_lines": output.splitlines()[-12:]} if code else {}))
-    machine = hardware()  # after the labs: it initializes CUDA in this process
-    try:
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
-    except (AttributeError, RuntimeError):  # a build without NCCL (Windows)
-        nccl = None
-    Path(results_path).write_text(json.dumps(
-        {"hardware": machine, "cuda": torch.version.cuda, "nccl": nccl,
-         "gpus_visible": torch.cuda.device_count(), "plan_for_gpus": gpus, "run_on": "cuda" if
-         device == "cuda" else "cpu: a rehearsal of the GPU plan (--gpu-plan-on-cpu)", "labs": rows},
-        indent=1) + "\n")
+        save_results(results_path, gpus, device, rows, capstone)  # after each: a timeout keeps them
+    machine = save_results(results_path, gpus, device, rows, capstone, ask_cuda=True)
     print(f"\n{'lab':<24}{'exit':<6}{'backend':<11}{'device':<10}{'ranks':<7}{'seconds':<9}difference")
     for row in rows:
         ranks = ",".join(map(str, row["world_size"])) if isinstance(row["world_size"], list) else \
             row["world_size"] or "-"
         print(f"{row['lab']:<24}{row['exit']:<6}{row['backend'] or '-':<11}{row['device'] or '-':<10}"
               f"{ranks:<7}{row['seconds']:<9}{row['difference']}")
+    for run in capstone:
+        print(f"capstone: exit {run['exit']}, {run['tokens_per_s_per_rank']} tokens/s per rank, MFU "
+              f"{run['mfu']}, {run['seconds']} s: {run['command']}")
     print(f"results: {results_path} ({machine})")
-    return 0 if all(row["exit"] == 0 for row in rows) else 1
+    return 0 if all(row["exit"] == 0 for row in rows + capstone) else 1
+
+
+def save_results(results_path, gpus, device, rows, capstone, ask_cuda=False):
+    """Writes the results file; ask_cuda (at the end): the hardware, NCCL's version and the GPUs
+    visible, which initialize CUDA in this process. Returns the hardware's line."""
+    import torch
+
+    from course import hardware
+    machine = hardware() if ask_cuda else None
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if ask_cuda and \
+            torch.cuda.is_available() else None
+    except (AttributeError, RuntimeError):  # a build without NCCL (Windows)
+        nccl = None
+    Path(results_path).write_text(json.dumps(
+        {"hardware": machine, "cuda": torch.version.cuda, "nccl": nccl,
+         "gpus_visible": torch.cuda.device_count() if ask_cuda else None, "plan_for_gpus": gpus,
+         "run_on": "cuda" if device == "cuda" else "cpu: a rehearsal of the GPU plan "
+         "(--gpu-plan-on-cpu)", "capstone": capstone, "labs": rows}, indent=1) + "\n")
+    return machine
 
 
 def gpu_main(args, lessons):

@@ -14,6 +14,12 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
+# What train_gpt.py --model names: (the GPT's shape, context, learning rate). gpt2-124m is GPT-2
+# small: 124M parameters with GPT-2's vocabulary, 50,257 padded to 50,304 (a multiple of 64, for
+# fast matmuls) as nanoGPT does; bytes use the first 256 rows, the rest learn never to be chosen.
+SIZES = {"tiny": (dict(n_layer=2, n_head=4, n_embd=64, vocab_size=256), 64, 3e-3),
+         "gpt2-124m": (dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304), 1024, 6e-4)}
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head, dropout):
@@ -78,6 +84,14 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+    def flops_per_token(self):
+        """Training FLOPs per token, forward and backward, as the PaLM paper's appendix B counts
+        them: 6 per parameter that multiplies (all but the position embedding; the tied embedding
+        once, as the head), plus 12 x layers x width x context for attention's two matmuls (a
+        causal mask skips half of those: counted all the same, as PaLM and FlopCounterMode do)."""
+        weights = sum(p.numel() for p in self.parameters()) - self.position.weight.numel()
+        return 6 * weights + 12 * len(self.blocks) * self.token.weight.shape[1] * self.context
 
     def tensor_parallel(self, tp_mesh):
         """Lesson 10's plan, for train_gpt.py --tp: in each block, q, k, v and the MLP's first layer

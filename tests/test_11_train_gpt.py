@@ -595,3 +595,42 @@ def test_each_job_of_a_launch_gets_its_own_free_port():
     import course
     ports = course.find_free_ports(12)
     assert len(set(ports)) == 12 and all(0 < p < 65536 for p in ports)
+
+
+# --- GPT-2 size, FLOPs and MFU (issue 33) -------------------------------------------------------
+
+def test_flops_per_token_is_what_the_flop_counter_counts(lesson):
+    """The formula MFU divides by (PaLM's 6N + 12 L d T) against FlopCounterMode's count of one
+    forward and backward: the tiny model run for real, GPT-2 small on the meta device (no memory)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    for size, device in [("tiny", "cpu"), ("gpt2-124m", "meta")]:
+        _, context, _ = lesson.SIZES[size]
+        with torch.device(device):
+            model = lesson.make_model(context, 0.0, 0, size)
+            x = torch.randint(0, 256, (2, context))
+        with FlopCounterMode(display=False) as counter:
+            model(x).float().sum().backward()
+        counted = counter.get_total_flops() / x.numel()
+        assert abs(counted / model.flops_per_token() - 1) < 0.02, (size, counted, model.flops_per_token())
+
+
+def test_the_gpt2_preset_is_gpt2_small_with_124m_parameters(lesson):
+    with torch.device("meta"):
+        model = lesson.make_model(1024, 0.0, 0, "gpt2-124m")
+    assert sum(p.numel() for p in model.parameters()) == 124_475_904  # nanoGPT's 124M, tied head
+    assert (len(model.blocks), model.n_head, model.context, model.token.weight.shape) == \
+        (12, 12, 1024, (50304, 768))
+    assert lesson.make_model(64, 0.0, 0).flops_per_token() == 797_184  # the course's tiny GPT
+
+
+def test_compile_runs_on_the_cpu_and_trains_as_eager_does(lesson, world_of_one, tmp_path):
+    """--compile, 3 steps of the tiny model (a minute of compiling on 2 cores): the same losses as
+    eager in this process (inductor's kernels sum in another order: close, not equal)."""
+    result = run_lesson("11_train_gpt/train_gpt.py", "--compile", "--steps", "3", "--out-dir",
+                        tmp_path / "compiled", timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "120,576 parameters, 0.000797 GFLOP per token" in result.stdout
+    compiled = float(re.search(r"^step 3/3  loss (\S+)", result.stdout, re.M).group(1))
+    _, losses, _ = lesson.main(steps=3, out_dir=str(tmp_path / "eager"))
+    assert abs(compiled - losses[-1]) < 1e-3, (compiled, losses)
+    assert "MFU" not in result.stdout  # no GPU: no peak to divide by

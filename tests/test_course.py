@@ -23,8 +23,9 @@ BRANCHES_FROM = {"01_dataparallel": "00_single_process", "03_model_parallel": "0
 UNION_OF = {"11_train_gpt": ["04_sampler_checkpoint", "05_torchrun_elastic", "07_fsdp_dcp",
                              "09_training_loop", "10_tensor_parallel"]}
 # The capstone's own limits (its issue): the script 300 lines, the model 120, one more file 150;
-# issue 25 then asked it for --tp N (2-D, FSDP x TP): the script 330 lines and one flag more.
-CAPSTONE_FILES = {"train_gpt.py": 330, "model.py": 120, "checkpoint.py": 150}
+# issue 25 then asked it for --tp N (2-D, FSDP x TP): the script 330 lines and one flag more;
+# issue 33 for GPT-2's size and MFU (--model, --compile): the script 350, the model 135, two flags.
+CAPSTONE_FILES = {"train_gpt.py": 350, "model.py": 135, "checkpoint.py": 150}
 # Lessons in the short-script-plus-lab shape (a lab, prove.py, beside the lesson).
 SHAPED = [d for d in LESSONS if (d / "prove.py").exists()]
 
@@ -46,8 +47,9 @@ def test_lesson_script_is_short_narrow_and_has_few_flags(folder):
     wide = [n for n, line in enumerate(lines, 1) if len(line) > 100]
     assert not wide, f"lines over 100 characters: {wide}"
     flags = re.findall(r"add_argument\(\s*[\"'](--[\w-]+)", "\n".join(lines))
-    most = 8 if folder.name in UNION_OF else 5  # the capstone: the issue's switches (data,
-    assert len(flags) <= most, f"{len(flags)} flags: {flags}"  # parallel, K, bf16), 3 more, --tp
+    most = 10 if folder.name in UNION_OF else 5  # the capstone: the issue's switches (data,
+    assert len(flags) <= most, f"{len(flags)} flags: {flags}"  # parallel, K, bf16), 3 more, --tp,
+    # --model and --compile
     for switch in ("--break", "--crash", "demo"):
         assert not any(switch in flag for flag in flags), f"{switch} belongs in prove.py, not the lesson"
 

@@ -164,7 +164,7 @@ def test_gpu_list_prints_the_plan_without_a_gpu(monkeypatch, capsys):
 def test_the_results_file_has_a_row_per_lab(monkeypatch, tmp_path, capsys):
     """The whole plan for 2 GPUs, each lab answering with its README's output (nothing starts);
     one lab fails: its row keeps its last lines, and the run exits 1."""
-    def fake_run(argv):
+    def fake_run(argv, limit):
         lab = argv[1].split("/")[0]
         return (1, "Traceback ...\nRuntimeError: NCCL error\n") if lab == "06_collectives" else \
             (0, readme_output(lab))
@@ -210,3 +210,21 @@ def test_the_gpu_plan_rehearsed_on_the_cpu_writes_the_results_file(lesson, tmp_p
         (0, "PASSED", None, "cpu", 2)
     assert "final max |dw|" in row["difference"] and row["tolerance"] == "1e-06"
     assert 0 < row["seconds"] < 110
+
+
+def test_the_capstones_numbers_are_read_from_its_lines():
+    """What --gpu keeps of the capstone's runs: its model line and its LAST report (the first one's
+    rate includes compiling); MFU only where the line has one (a GPU in PEAK_TFLOPS)."""
+    output = ("backend: nccl (1 GPU(s) visible, one per rank); ddp on 1 rank(s); ...; "
+              "124,475,904 parameters, 0.855 GFLOP per token; resuming from None\n"
+              "step 100/200  loss 3.1 (rank 0)  val 3.2 (99 tokens)  lr 6.0e-04  9,000 tokens/s per "
+              "rank (MFU 0.8%)  11 s left; saved x\n"
+              "step 200/200  loss 2.9 (rank 0)  val 3.0 (99 tokens)  lr 6.0e-05  412,345 tokens/s "
+              "per rank (MFU 35.6%)  0 s left; saved y\n")
+    assert run_lessons.capstone_numbers(output) == {
+        "parameters": 124_475_904, "gflop_per_token": 0.855, "last_report_step": 200,
+        "tokens_per_s_per_rank": 412_345, "mfu": 0.356}
+    on_cpu = output.replace(" (MFU 35.6%)", "").replace(" (MFU 0.8%)", "")
+    assert run_lessons.capstone_numbers(on_cpu)["mfu"] is None
+    assert run_lessons.capstone_numbers("Traceback ...\n") == dict.fromkeys(
+        ["parameters", "gflop_per_token", "last_report_step", "tokens_per_s_per_rank", "mfu"])
