@@ -48,8 +48,8 @@ def lesson_commands():
 
 # --- python run_lessons.py --gpu: every lab on this machine's GPUs, one command ---------------------
 # THE PLAN: each lab's flags on a machine with g GPUs (g >= 1), and why, read from the lab's own
-# checks of --device and --world-size. Not yet run on a GPU: no GPU was lent to the sessions that
-# wrote it. The rehearsal (--gpu-plan-on-cpu) runs the same flags with cpu in place of cuda.
+# checks of --device and --world-size. Run once on one H200 (gpu_runs/); the plans for 2 GPUs or
+# more never ran. The rehearsal (--gpu-plan-on-cpu) runs the same flags with cpu in place of cuda.
 MOST_RANKS = 8  # the labs' 256 samples: 8 ranks take 2 steps an epoch, 16 would take 1
 GPU_PLAN = {
     "00_single_process": (lambda g: [], "no flag: the lesson takes cuda when a GPU is visible; "

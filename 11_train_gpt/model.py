@@ -130,5 +130,6 @@ def unigram_entropy(dataset):
 def sample(model, prompt=b"def ", new_tokens=200, seed=0):
     """A few bytes the trained model writes after `prompt` (its own generator: no global RNG)."""
     idx = torch.tensor([list(prompt)], device=next(model.parameters()).device)
-    out = model.generate(idx, new_tokens, top_k=50, generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator(idx.device).manual_seed(seed)  # on cuda, a cuda generator
+    out = model.generate(idx, new_tokens, top_k=50, generator=generator)
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")

@@ -1,5 +1,5 @@
 """`python run_lessons.py --gpu`: every lab on this machine's GPUs in one command, and a results
-file. No GPU has run it: these tests check the plan against each lab's own guard rails with 1 to
+file. It ran once on one H200 (gpu_runs/); these tests check the plan against each lab's own guard rails with 1 to
 16 GPUs pretended (in-process, nothing starts), the parsing of the labs' real output (the
 READMEs' blocks), the refusal without a GPU, and the CPU rehearsal of the plan on one cheap lab."""
 import json
