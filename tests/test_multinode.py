@@ -374,8 +374,10 @@ class TestTwoHosts:
                 run.terminate()
         codes = [run.wait(timeout=30) for run in [*wrong, lost]]
         assert codes[2] == 1 and sorted(codes[:2])[-1] != 0 and 0 not in codes, codes
-        assert first < 20, f"{first:.0f} s"  # --timeout 5, and the launch
-        assert time.monotonic() - start < 30, f"{time.monotonic() - start:.0f} s"  # read_timeout 10
+        # --timeout 5 and the launch (about 12 s here, sized for a machine 3 times slower), before
+        # gloo's own connect timeout (30 s) would have ended it; the lost one: read_timeout 10
+        assert first < 28, f"{first:.0f} s"
+        assert time.monotonic() - start < 45, f"{time.monotonic() - start:.0f} s"
         wrong_logs = "".join((tmp_path / f"wrong{i}.log").read_text() for i in range(2))
         assert re.search(r"Gloo connectFullMesh failed .*Connection refused, remote=\[127\.0\.0\.1\]",
                          wrong_logs), wrong_logs[-3000:]
