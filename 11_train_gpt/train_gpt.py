@@ -229,7 +229,9 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
         torch.cuda.set_device(device)
     train_set, val_set, what = make_dataset(data, context)
     dp_size = world_size // max(tp, 1)  # copies of the model, each split over tp ranks (1: whole)
-    net, global_batch = make_model(context, dropout, seed, size), dp_size * accumulate * batch_size
+    shape = {} if size == "tiny" else {"size": size}  # your make_model needs no size parameter
+    net, global_batch = make_model(context, dropout, seed, **shape), dp_size * accumulate * \
+        batch_size
     flops = net.flops_per_token() if hasattr(net, "flops_per_token") else \
         6 * sum(p.numel() for p in net.parameters())  # your model: 6N, no attention term
     # Every setting that changes the numbers (world size, tp, K, batch size only split the work),

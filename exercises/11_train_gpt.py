@@ -9,6 +9,7 @@ r"""Lesson 11, the capstone: a small GPT on real text, with lessons 04, 05, 07, 
         --parallel fsdp --accumulate 2 --precision bf16 --out-dir out_fsdp  # restarts resume
     torchrun --standalone --nproc-per-node=4 11_train_gpt/train_gpt.py --parallel fsdp --tp 2 \
         --out-dir out_2d  # 2-D: FSDP over 2 copies of the model, each split over 2 ranks (TP)
+    python 11_train_gpt/train_gpt.py --model gpt2-124m --precision bf16 --compile  # a GPU: MFU
 
 Your own project: replace make_dataset and make_model; nothing else needs to change.
 """
@@ -37,12 +38,14 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torch.utils.tensorboard import SummaryWriter
 
 import checkpoint
-from model import GPT, sample, unigram_entropy
+from model import GPT, SIZES, sample, unigram_entropy
 
 # Real text every Python has: its standard library, split by file. Bytes: 256 tokens, no tokenizer
 TRAIN_FILES = ["argparse.py", "calendar.py", "contextlib.py", "dataclasses.py", "difflib.py",
                "functools.py", "heapq.py", "textwrap.py"]
 VAL_FILES = ["bisect.py", "colorsys.py", "fnmatch.py", "queue.py", "sched.py"]
+# bf16 dense peak TFLOP/s of a GPU, the datasheets' (the first key in its name), for MFU: add yours
+PEAK_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "A100": 312}
 
 
 class Windows(Dataset):
@@ -73,9 +76,9 @@ def make_dataset(data, context):
     return (*sets, f"Python {sys.version.split()[0]}'s standard library, bytes")
 
 
-def make_model(context, dropout, seed):
+def make_model(context, dropout, seed, size="tiny"):
     torch.manual_seed(seed)  # the same initial weights in every process that builds it
-    return GPT(vocab_size=256, context=context, n_layer=2, n_head=4, n_embd=64, dropout=dropout)
+    return GPT(context=context, dropout=dropout, **SIZES[size][0])
 
 
 def step_windows(length, step, global_batch, seed):
@@ -188,8 +191,8 @@ def init_distributed(backend, device, timeout):
 
 
 def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, precision="fp32",
-         out_dir="out_gpt", tp=1, lr=3e-3, dropout=0.0, context=64, seed=0, every=100,
-         timeout=600):
+         out_dir="out_gpt", tp=1, size="tiny", compile=False, lr=3e-3, dropout=0.0, context=64,
+         seed=0, every=100, timeout=600):
     """One process = one rank. Returns (the model, unwrapped from DDP, this run's losses, the
     step it started from). timeout: a save hashes the whole checkpoint while the others wait."""
     if "RANK" not in os.environ:  # plain `python`: a world of one, as nanoGPT's train.py does
@@ -202,7 +205,11 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
         torch.cuda.set_device(device)
     train_set, val_set, what = make_dataset(data, context)
     dp_size = world_size // max(tp, 1)  # copies of the model, each split over tp ranks (1: whole)
-    net, global_batch = make_model(context, dropout, seed), dp_size * accumulate * batch_size
+    shape = {} if size == "tiny" else {"size": size}  # your make_model needs no size parameter
+    net, global_batch = make_model(context, dropout, seed, **shape), dp_size * accumulate * \
+        batch_size
+    flops = net.flops_per_token() if hasattr(net, "flops_per_token") else \
+        6 * sum(p.numel() for p in net.parameters())  # your model: 6N, no attention term
     # Every setting that changes the numbers (world size, tp, K, batch size only split the work),
     # and a hash of the code's (parameters' names, shapes, dtypes; the sets' ends; the loss)
     named = [type(net).__name__] + [(n, p.shape, p.dtype) for n, p in net.named_parameters()]
@@ -240,11 +247,13 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
             print(f"backend: {backend} ({reason}); {parallel} on {world_size} rank(s)"
                   f"{f', tensor parallel over {tp}' if tp > 1 else ''}; global batch "
                   f"{dp_size} x {accumulate} x {batch_size} = {global_batch}; "
-                  f"{precision}; data: {what}; resuming from {resume}", flush=True)
+                  f"{precision}; data: {what}; {sum(p.numel() for p in net.parameters()):,} "
+                  f"parameters, {flops / 1e9:.3g} GFLOP per token; resuming from {resume}",
+                  flush=True)
         dist.barrier()
         dtype = torch.bfloat16 if precision == "bf16" and parallel == "ddp" else None
         autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-        model, net = wrap(net.to(device), parallel, device, precision, mesh), None
+        model, net = wrap(net.to(device), parallel, device, precision, mesh, compile), None
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps // 10, steps))
         # each copy its own dropout masks; its tp ranks the same (they hold the same activations)
@@ -256,7 +265,9 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
         plain = model.module if parallel == "ddp" else model  # DDP's forward is for training
         unit = "tokens" if isinstance(train_set, Windows) else "targets"  # what a sample predicts
         tokens = global_batch * torch.as_tensor(train_set[0][1]).numel()  # per step, all ranks
-        losses, clock = [], time.perf_counter()
+        peak = next((tf * 1e12 for name, tf in PEAK_TFLOPS.items() if device.type == "cuda"
+                     and name in torch.cuda.get_device_name(device)), None)
+        losses, clock, timed = [], time.perf_counter(), start
         for step in range(start, steps):
             batches = micro_batches(train_set, step, dp_rank, dp_size, accumulate, batch_size, seed)
             lr_now = scheduler.get_last_lr()[0]  # this step's learning rate
@@ -265,17 +276,19 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
             losses.append(loss)
             done = step + 1
             if done % every == 0 or done == steps:  # saved first: the evaluation is not in it
+                rate = tokens * (done - timed) / (time.perf_counter() - clock) / world_size
                 path = checkpoint.save(out_dir, model, optimizer, scheduler, done, config, parallel,
                                        device, dp_group)
                 val_loss, counted = evaluate(plain, val_set, 4 * batch_size, device, autocast,
                                              dp_group)
-                if rank == 0:
-                    rate = tokens * (done - start) / (time.perf_counter() - clock) / world_size
+                if rank == 0:  # MFU: the model's FLOPs done per second over the GPU's peak
+                    mfu = f" (MFU {rate * flops / peak:.1%})" if peak and unit == "tokens" else ""
                     print(f"step {done}/{steps}  loss {loss:.4f} (rank 0)  val {val_loss:.4f} "
-                          f"({counted} {unit})  lr {lr_now:.1e}  {rate:,.0f} {unit}/s per rank  "
-                          f"{(steps - done) * tokens / rate / world_size:.0f} s left; saved {path}",
-                          flush=True)
+                          f"({counted} {unit})  lr {lr_now:.1e}  {rate:,.0f} {unit}/s per rank"
+                          f"{mfu}  {(steps - done) * tokens / rate / world_size:.0f} s left; saved "
+                          f"{path}", flush=True)
                     writer.add_scalar("val/loss", val_loss, done)
+                clock, timed = time.perf_counter(), done  # the next rate: training steps only
             if writer:
                 for tag, value in (("loss", loss), ("grad_norm", norm), ("lr", lr_now)):
                     writer.add_scalar(f"train/{tag}", value, done)
@@ -304,4 +317,8 @@ if __name__ == "__main__":  # torchrun runs this file once per rank
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--out-dir", default="out_gpt", help="checkpoints and TensorBoard")
     parser.add_argument("--tp", type=int, default=1, help="ranks per copy (--parallel fsdp: 2-D)")
-    main(**vars(parser.parse_args()), dropout=0.0)  # your dropout: make_model gets it
+    parser.add_argument("--model", dest="size", choices=SIZES, default="tiny", help="GPT's size")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    args = parser.parse_args()
+    _, context, lr = SIZES[args.size]
+    main(**vars(args), context=context, lr=lr, dropout=0.0)  # your dropout: make_model gets it
