@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 import shutil
+import socket
 import sys
 
 import torch
@@ -17,6 +18,39 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 class BadCheckpoint(Exception):
     """A checkpoint that must not be resumed: the message names the file and says why."""
+
+
+def lock(folder):
+    """Rank 0 holds `folder` for its job: a second live job there would mix their checkpoints. A
+    lock of an earlier attempt of this torchrun launch (a restart, maybe on another node), or of
+    a process gone from this host, is stale and taken over. Returns the lock's path."""
+    path, host = os.path.join(folder, "LOCK"), socket.gethostname()
+    launch = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # the same across restarts
+    os.makedirs(folder, exist_ok=True)
+    while True:
+        try:
+            with open(path, "x") as f:  # "x": create, or FileExistsError; atomic
+                f.write(f"{host} {os.getpid()} {launch}\n")
+            return path
+        except FileExistsError:
+            owner, pid, run = (open(path).read().split() + ["?", "0", "none"])[:3]
+        mine = launch != "none" and run == launch or owner == host and pid == str(os.getpid())
+        if not mine and (owner != host or running(int(pid))):
+            raise BadCheckpoint(f"{folder} is in use by another job (host {owner}, pid {pid}): "
+                                f"use another --out-dir, or remove {path} if that job is gone")
+        os.remove(path)  # stale: its job died without removing it (SIGKILL, a lost node)
+
+
+def running(pid):
+    if os.name != "posix":  # Windows' os.kill(pid, 0) would END the process: take it as alive
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, the process is only looked up
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 def sha256(path):
