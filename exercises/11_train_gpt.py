@@ -217,7 +217,8 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
     config = dict(data=f"{what}: {len(train_set)} + {len(val_set)} samples {digest(ends)}", lr=lr,
                   model=digest(named), loss=digest(inspect.getsource(loss_fn)),
                   parallel=parallel, steps=steps, global_batch=global_batch, precision=precision,
-                  dropout=dropout, context=context, seed=seed, clip=1.0, weight_decay=0.1)
+                  dropout=dropout, context=context, seed=seed, clip=1.0,
+                  weight_decay="0.1, 2-D weights only")
     try:  # before any rank starts collectives
         for wrong, why in [(tp < 1 or world_size % tp, f"must divide the {world_size} ranks"),
                            (tp > 1 and parallel != "fsdp", "needs --parallel fsdp"),
@@ -227,6 +228,7 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
             if wrong:  # each rank of a copy computes whole heads
                 raise ValueError(f"--tp {tp} {why}")
         resume = checkpoint.find(out_dir, config, parallel, rank)
+        held = checkpoint.lock(out_dir) if rank == 0 else None  # one job per folder
     except (ValueError, checkpoint.BadCheckpoint) as error:  # one line, from rank 0 only,
         if rank == 0:  # and nothing overwritten
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
@@ -254,7 +256,11 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
         dtype = torch.bfloat16 if precision == "bf16" and parallel == "ddp" else None
         autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
         model, net = wrap(net.to(device), parallel, device, precision, mesh, compile), None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+        matrices = [p.ndim >= 2 for p in model.parameters()]  # decayed; biases and norms not
+        optimizer = torch.optim.AdamW([  # (as nanoGPT and GPT-2): pulled to 0, a bias only hurts
+            {"params": [p for p, m in zip(model.parameters(), matrices) if m], "weight_decay": 0.1},
+            {"params": [p for p, m in zip(model.parameters(), matrices) if not m],
+             "weight_decay": 0.0}], lr=lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps // 10, steps))
         # each copy its own dropout masks; its tp ranks the same (they hold the same activations)
         torch.manual_seed(seed + 1 + dp_rank)  # saved and restored with every checkpoint
@@ -273,6 +279,8 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
             lr_now = scheduler.get_last_lr()[0]  # this step's learning rate
             loss, norm = train_step(model, batches, optimizer, parallel, autocast, clip=1.0)
             scheduler.step()
+            mean = torch.tensor([loss / dp_size], dtype=torch.float64, device=device)
+            dist.all_reduce(mean, group=dp_group)  # TensorBoard's loss: every rank's, not rank 0's
             losses.append(loss)
             done = step + 1
             if done % every == 0 or done == steps:  # saved first: the evaluation is not in it
@@ -290,7 +298,7 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
                     writer.add_scalar("val/loss", val_loss, done)
                 clock, timed = time.perf_counter(), done  # the next rate: training steps only
             if writer:
-                for tag, value in (("loss", loss), ("grad_norm", norm), ("lr", lr_now)):
+                for tag, value in (("loss", mean.item()), ("grad_norm", norm), ("lr", lr_now)):
                     writer.add_scalar(f"train/{tag}", value, done)
         if unit == "tokens" and hasattr(plain, "generate"):  # what a context-free model scores,
             text = sample(plain)  # and a sample (every rank: an FSDP forward is a collective)
@@ -302,6 +310,8 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
     finally:
         if writer:
             writer.close()
+        if held:  # the folder is free for the next job (a killed job's lock is found stale)
+            os.remove(held)
         model = optimizer = scheduler = plain = None  # DDP and FSDP hold the process group:
         gc.collect()  # release it before destroying it (left to interpreter exit, gloo may abort)
         dist.destroy_process_group()
