@@ -507,10 +507,11 @@ def py_spy_stacks(pids, timeout=10):
             threads = json.loads(done.stdout) if done.returncode == 0 else []
         except (OSError, ValueError, subprocess.TimeoutExpired):
             continue
-        stacks[rank] = "\n\n".join(
-            f"Thread {t.get('thread_id')} ({t.get('thread_name') or ''}):\n" + "\n".join(
-                f'  File "{f["filename"]}", line {f["line"]} in {f["name"]}'
-                for f in t.get("frames", [])) for t in threads)
+        if threads:  # none: a process py-spy could not read
+            stacks[rank] = "\n\n".join(
+                f"Thread {t.get('thread_id')} ({t.get('thread_name') or ''}):\n" + "\n".join(
+                    f'  File "{f["filename"]}", line {f["line"]} in {f["name"]}'
+                    for f in t.get("frames", [])) for t in threads)
     return stacks
 
 
