@@ -454,17 +454,19 @@ class Background(threading.Thread):
 
 def prove_hangs(runs, folder, args):
     print(f"\nthree hangs, each a pair of ranks (group timeout {args.timeout:g} s), all at once "
-          f"(the stacks taken at {next(iter(runs.values()))['named_at'] or 0:.1f} s):", flush=True)
+          f"(the stacks taken at {next(iter(runs.values()))['named_at'] or 0:.1f} s):\n" + "\n".join(
+              f"  {plant}: {what}" for plant, what in HANGS.items()), flush=True)
     ok_all, slowest, causes = True, 0.0, []
     for plant, run in runs.items():
         ok, named, where, wrong = check_hang(plant, run, folder, args.broken)
         ok_all &= ok
         slowest = max(slowest, run["hung"] or float("inf"))
         barrier = next((e for e in run["errors"].values() if "monitoredBarrier" in e), "")
-        print(f"  {plant} ({HANGS[plant]}): hung {run['hung'] or float('nan'):.1f} s, from its "
-              f"collective to the group's timeout; the ranks over at {run['seconds']:.1f} s\n"
+        print(f"  {plant}: hung {run['hung'] or float('nan'):.1f} s (its collective to the "
+              f"timeout); the ranks over at {run['seconds']:.1f} s\n"
               f"    flight recorder: {named}\n    stacks: {where}" + (
-                  f"\n    monitored_barrier: {barrier.splitlines()[0][:150]}" if barrier else "")
+                  f"\n    monitored_barrier: {barrier.splitlines()[0].split('. Please')[0]}" if barrier
+                  else "")
               + (f"\n    WRONG: {'; '.join(wrong)}" if wrong else ""), flush=True)
         for w in wrong:
             if "torchfrtrace" in w and "KeyError" in w:
