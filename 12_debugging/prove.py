@@ -183,10 +183,15 @@ def run_hangs(folder, timeout, broken):
             for k in range(len(plants)):
                 if k not in ended and not {2 * k, 2 * k + 1} & set(alive):
                     ended[k] = (time.monotonic() - start, time.time())
-            if named_at is None and len(alive) == len(context.processes) and watch.stalled(alive):
+            if named_at is None and len(alive) == len(context.processes) and all(
+                    os.path.exists(os.path.join(folder, plant, f"trace-rank{r}.pt"))
+                    for plant in plants for r in (0, 1)) and watch.stalled(alive):  # trained, idle
                 stacks = {plant: take_stacks(alive, folder, k, plant, broken)
                           for k, plant in enumerate(plants)}
                 named_at = time.monotonic() - start
+                if any(w[0] == "a wait outside torch.distributed" for found in stacks.values()
+                       for w in found.values()):  # a rank starved of CPU, not hung: look again
+                    named_at, watch.seen = None, {}
             if time.monotonic() - start > timeout + 60:
                 raise SystemExit("the hangs did not end at the group's timeout")
     finally:
