@@ -348,12 +348,15 @@ def in_float32(trace_step, model, x, y):
 def check_hang(plant, run, folder, broken):
     """(named correctly?, the report line, what failed)."""
     missing, op, line0, line1 = EXPECTED[plant]
-    mismatch = first_mismatch(read_dumps(os.path.join(folder, plant)))
+    dumps = read_dumps(os.path.join(folder, plant))
+    mismatch = first_mismatch(dumps)
     seqs, lines, error = analyse(os.path.join(folder, plant), broken)
     want_lines = {0: course.lesson_line(LESSON_FILE, line0), 1: course.lesson_line(LESSON_FILE, line1)}
     stacks = run["stacks"]
     wrong = []
-    if mismatch is None:
+    if not dumps:
+        wrong.append("no flight recorder dump was written (no fr-rank file)")
+    elif mismatch is None:
         wrong.append("the flight recorder shows no collective apart")
     else:
         seq, calls, absent = mismatch
@@ -474,6 +477,11 @@ def prove_hangs(runs, folder, args):
                   else "")
               + (f"\n    WRONG: {'; '.join(wrong)}" if wrong else ""), flush=True)
         for w in wrong:
+            if "no flight recorder dump" in w:
+                causes.append((True, "no rank wrote its flight recorder when its collective "
+                                     "raised (the group's timeout): dump it in an except around "
+                                     "the training, then raise again "
+                                     f"({course.lesson_line(LESSON_FILE, 'except Exception:')})"))
             if "torchfrtrace" in w and "KeyError" in w:
                 causes.append((True, f"torchfrtrace's analyser stops on gloo's dumps ({w}): their "
                                      "pg_config keys the group '' where the entries say '0'; "
