@@ -532,7 +532,7 @@ def prove_divergences(folder, args):
                              f"compute the reference in both ({course.lesson_line(LESSON_FILE, 'for d in (torch.float32')})"))
     claim = (f"each planted bug {'located' if ok_all else 'NOT located'} at its layer, the correct "
              "run nowhere, noise gone in float64")
-    return ok_all, claim, f"noise {noise32:.1e} (float32), {noise64:.1e} (float64)", causes
+    return ok_all, claim, f"noise {noise32:.1e} in float32, {noise64:.1e} in float64", causes
 
 
 if __name__ == "__main__":
