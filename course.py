@@ -433,18 +433,8 @@ class HangWatch:
 
     def name_the_hang(self, pids, exited):
         """(the report, the likely cause): each rank's collective and line, from its stacks."""
-        for pid in pids.values():
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGUSR1)
-        waits = {}
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and len(waits) < len(pids):
-            time.sleep(0.2)
-            for rank in pids:
-                with contextlib.suppress(OSError):
-                    text = open(os.path.join(self.folder, f"stack-rank{rank}.txt")).read()
-                    if text.strip():
-                        waits[rank] = where_it_waits(text)
+        waits = {rank: where_it_waits(text)
+                 for rank, text in faulthandler_stacks(pids, self.folder).items()}
         parts = []
         for rank in sorted(set(pids) | set(exited)):
             if rank in exited:
@@ -475,6 +465,54 @@ class HangWatch:
         return report, cause or (f"every rank waits in {', '.join(sorted(named)) or 'a wait'}: "
                                  "a rank called it once more than the others, or with another "
                                  "size or group")
+
+
+def faulthandler_stacks(pids, folder, wait=5):
+    """{rank: its stacks as text}: SIGUSR1 to each rank of {rank: pid}, whose faulthandler
+    (dump_stacks_on_signal) writes folder/stack-rank{rank}.txt; the ranks that answer within
+    `wait` seconds."""
+    for pid in pids.values():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
+    stacks = {}
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and len(stacks) < len(pids):
+        time.sleep(0.2)
+        for rank in pids:
+            with contextlib.suppress(OSError):
+                text = open(os.path.join(folder, f"stack-rank{rank}.txt")).read()
+                if text.strip():
+                    stacks[rank] = text
+    return stacks
+
+
+def py_spy():
+    """The py-spy command (requirements.txt pins it) beside this interpreter or on PATH, or None."""
+    import shutil
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.path.isfile(beside) else shutil.which("py-spy")
+
+
+def py_spy_stacks(pids, timeout=10):
+    """{rank: its stacks as text}, read from outside by `py-spy dump` (no signal, no handler in
+    the rank), written as faulthandler writes them, so that where_it_waits reads both; the ranks
+    py-spy could not read are missing (no py-spy, or no permission to attach: ptrace)."""
+    import json
+    import subprocess
+    command, stacks = py_spy(), {}
+    for rank, pid in pids.items() if command else ():
+        try:
+            done = subprocess.run([command, "dump", "--json", "--pid", str(pid)],
+                                  capture_output=True, text=True, timeout=timeout)
+            threads = json.loads(done.stdout) if done.returncode == 0 else []
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            continue
+        if threads:  # none: a process py-spy could not read
+            stacks[rank] = "\n\n".join(
+                f"Thread {t.get('thread_id')} ({t.get('thread_name') or ''}):\n" + "\n".join(
+                    f'  File "{f["filename"]}", line {f["line"]} in {f["name"]}'
+                    for f in t.get("frames", [])) for t in threads)
+    return stacks
 
 
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))

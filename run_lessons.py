@@ -84,6 +84,9 @@ GPU_PLAN = {
                            "2-rank runs share GPUs 0-1, each on its own communicator); fewer: gloo on CPU"),
     "11_train_gpt": (lambda g: [], "no flag: its runs at 1, 2, 3 and 4 ranks each take NCCL where there "
                      "is a GPU per rank, else gloo on CPU; it prints no backend line"),
+    "12_debugging": (lambda g: [], "no flag: the lab plants its hangs and bugs on gloo (CPU): gloo's "
+                     "timeout, monitored_barrier and the flight recorder's dump are what it proves; "
+                     "the NCCL paths are in its NOTES.md, untested"),
 }
 
 

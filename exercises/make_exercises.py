@@ -260,6 +260,54 @@ DIFF_EXERCISES = {
         ("--accumulate", ["flags --accumulate (2), --precision (fp32 or bf16), --log-dir; "
                           "main(**vars(parser.parse_args())): the flags are main's parameters"]),
     ]),
+    "12_debugging": ("02_ddp_spawn/ddp_spawn.py", [
+        ("Lesson 12", GIVEN),
+        ("import faulthandler", ["import faulthandler: a rank's stacks on a signal"]),
+        ("import signal", ["import signal"]),
+        ("import time", ["no timings here: no time"]),
+        ("A learnable 4-class problem", GIVEN),
+        ("dtype=torch.float32", ["make_model(seed=0, dtype=torch.float32)"]),
+        ("LayerNorm", ["a LayerNorm(64) after the first Linear; the model in `dtype`"]),
+        ("def dump_flight_recorder", [
+            "dump_flight_recorder(folder, rank, backend): the flight recorder's bytes "
+            "(torch._C._distributed_c10d._dump_fr_trace(); _dump_nccl_trace() on NCCL) to "
+            "folder/fr-rank{rank}",
+            "trace_step(model, x, y): forward hooks on every leaf module record its output "
+            "('output of NAME', 'module.' dropped), after the input ('input'); cross-entropy, "
+            "backward, hooks removed; then each parameter's gradient, last first ('gradient of "
+            "NAME'); return (loss, trace): a dict in the order things happened",
+            "train(model, loader, optimizer, epochs, device, folder)",
+        ]),
+        ("next(model.parameters()).dtype", ["the inputs in the model's dtype"]),
+        ("trace_step(model, x, y)", ["each step through trace_step; step 1's trace saved to "
+                                     "folder/trace-rank{rank}.pt"]),
+        ("dist.all_reduce(mean)", ["no loss log (no all-reduce of the loss)"]),
+        ("def choose_backend", ["no choose_backend: main picks the backend"]),
+        ("def worker", ["worker(rank, world_size, port, backend, epochs, batch_size, lr, folder, "
+                        "dtype, timeout=60)"]),
+        ("SIGUSR1", ["one thread per rank on CPU; where SIGUSR1 exists, faulthandler.register it "
+                     "to write every thread's stack to folder/stack-rank{rank}.txt (the file "
+                     "kept open)"]),
+        ("The loader's own generator", GIVEN),
+        ("getattr(torch, dtype)", ["the model made in the run's dtype"]),
+        ("monitored_barrier", ["train with the folder; then, on gloo, a monitored_barrier with "
+                               "the timeout, waiting for every rank"]),
+        ("dump_flight_recorder(folder", ["on an exception (the group's timeout), dump the flight "
+                                         "recorder, then raise it again"]),
+        ("def compare", [
+            "compare(folder, world_size, batch_size, dtype): one process on the ranks' step-1 "
+            "batch (each rank's first DistributedSampler(seed=0) batch, in turn), traced in "
+            "float32 and float64; each entry's tolerance 10 x |float32 - float64|, scaled by "
+            "eps(dtype) / eps(float32), + 1e-300; for each rank, the first entry of its saved "
+            "trace (its rows of the activations, every gradient) beyond it: print it and return "
+            "the list, (name, gap) or None per rank",
+            "main(world_size=2, epochs=1, dtype='float32', debug_dir='debug', timeout=30, "
+            "batch_size=16): NCCL when there is a GPU per rank, else gloo; print it; make the "
+            "folder; mp.spawn the workers (lr 0.05); then compare",
+        ]),
+        ("--dtype", ["flags --world-size, --epochs (default 1), --dtype (float32 or float64), "
+                     "--debug-dir, --timeout; main(**vars(parser.parse_args()))"]),
+    ]),
 }
 
 # Lesson 11: (functions cut out of the script, {function: hint lines})

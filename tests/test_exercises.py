@@ -12,7 +12,7 @@ from conftest import REPO, load_script, run_lesson, run_readme_command
 
 MAKER = REPO / "exercises" / "make_exercises.py"
 EXERCISES = ["02_ddp_spawn", "04_sampler_checkpoint", "05_torchrun_elastic", "07_fsdp_dcp",
-             "09_training_loop", "10_tensor_parallel", "11_train_gpt"]
+             "09_training_loop", "10_tensor_parallel", "11_train_gpt", "12_debugging"]
 # A typical mistake per exercise: the solution with these edits, the lab's extra arguments, and
 # what the lab must say. Each edit must match the solution exactly once.
 MISTAKES = {
@@ -42,6 +42,9 @@ MISTAKES = {
                            "LIKELY CAUSE: the ranks of a TP group compute on different batches"),
     "11_train_gpt": ([("(loss / len(batches)).backward()", "loss.backward()")], ["--claims", "1"],
                      "PROOF FAILED", "claim 1 fails"),
+    "12_debugging": ([("        dump_flight_recorder(folder, rank, backend)\n", "")],
+                     ["--part", "hangs"], "PROOF FAILED",
+                     "LIKELY CAUSE: no rank wrote its flight recorder when its collective raised"),
 }
 
 
