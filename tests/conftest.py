@@ -195,9 +195,10 @@ def assert_refused_in_process(function, argv, capsys, message):
     return stderr
 
 
-def assert_crashed_rank_stops_the_run(lesson, script, *args, rank=1, within=30):
-    """`--crash-rank RANK --timeout 300`: the run must stop within seconds (spawn stops the waiting ranks, not the
-    timeout), exit 1, say RUN FAILED, show that rank's own error and print no proof. Returns the result."""
+def assert_crashed_rank_stops_the_run(lesson, script, *args, rank=1, within=90):
+    """`--crash-rank RANK --timeout 300`: the run must stop long before the 300 s timeout (spawn stops the waiting
+    ranks), exit 1, say RUN FAILED, show that rank's own error and print no proof. Returns the result.
+    within: about 12 s on a quiet machine, 37 s seen under another session's load; 90 for one 3 times slower."""
     start = time.monotonic()
     result = lesson.run(script, *args, "--crash-rank", rank, "--timeout", 300)
     elapsed = time.monotonic() - start
