@@ -232,8 +232,9 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
     shape = {} if size == "tiny" else {"size": size}  # your make_model needs no size parameter
     net, global_batch = make_model(context, dropout, seed, **shape), dp_size * accumulate * \
         batch_size
+    parameters = sum(p.numel() for p in net.parameters())
     flops = net.flops_per_token() if hasattr(net, "flops_per_token") else \
-        6 * sum(p.numel() for p in net.parameters())  # your model: 6N, no attention term
+        6 * parameters  # your model: 6N, no attention term
     # Every setting that changes the numbers (world size, tp, K, batch size only split the work),
     # and a hash of the code's (parameters' names, shapes, dtypes; the sets' ends; the loss)
     named = [type(net).__name__] + [(n, p.shape, p.dtype) for n, p in net.named_parameters()]
@@ -273,18 +274,16 @@ def main(data=None, parallel="ddp", steps=600, accumulate=1, batch_size=16, prec
             print(f"backend: {backend} ({reason}); {parallel} on {world_size} rank(s)"
                   f"{f', tensor parallel over {tp}' if tp > 1 else ''}; global batch "
                   f"{dp_size} x {accumulate} x {batch_size} = {global_batch}; "
-                  f"{precision}; data: {what}; {sum(p.numel() for p in net.parameters()):,} "
+                  f"{precision}; data: {what}; {parameters:,} "
                   f"parameters, {flops / 1e9:.3g} GFLOP per token; resuming from {resume}",
                   flush=True)
         dist.barrier()
         dtype = torch.bfloat16 if precision == "bf16" and parallel == "ddp" else None
         autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
         model, net = wrap(net.to(device), parallel, device, precision, mesh, compile), None
-        matrices = [p.ndim >= 2 for p in model.parameters()]  # decayed; biases and norms not
-        optimizer = torch.optim.AdamW([  # (as nanoGPT and GPT-2): pulled to 0, a bias only hurts
-            {"params": [p for p, m in zip(model.parameters(), matrices) if m], "weight_decay": 0.1},
-            {"params": [p for p, m in zip(model.parameters(), matrices) if not m],
-             "weight_decay": 0.0}], lr=lr)
+        optimizer = torch.optim.AdamW([  # 2-D weights decayed; biases and norms not (nanoGPT's)
+            {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps // 10, steps))
         # each copy its own dropout masks; its tp ranks the same (they hold the same activations)
         torch.manual_seed(seed + 1 + dp_rank)  # saved and restored with every checkpoint
