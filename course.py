@@ -24,6 +24,7 @@ script stays self-contained, so a reader can copy it alone.
 import contextlib
 import faulthandler
 import importlib.util
+import inspect
 import logging
 import multiprocessing
 import os
@@ -128,6 +129,17 @@ def load_lesson_file(path, name, needs, defined_in, register=True, hint=lambda e
         refuse(f"--lesson {path} has no {', '.join(missing)}: the lab calls {them} as {defined_in} "
                f"defines {them}")
     return module
+
+
+def default_of(function, name, defined_in):
+    """The default of `function`'s parameter `name`, which the lab reads from the lesson; a file
+    whose function has no such parameter (with a default) is one line, exit 2, not a KeyError in
+    the lab."""
+    parameter = inspect.signature(function).parameters.get(name)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        refuse(f"{getattr(function, '__name__', 'a function')}() in your file has no parameter "
+               f"{name!r} with a default: the lab reads it there, as {defined_in} defines it")
+    return parameter.default
 
 
 def add_lesson_flag(parser, name):
@@ -384,14 +396,17 @@ def join_watching(context, stacks):
             raise SystemExit(1)
 
 
-STALL_SECONDS = 10  # every live rank this long without using the CPU: a hang, not a slow run
+# every live rank this long without using the CPU: a hang, not a slow run. COURSE_STALL_SECONDS
+# shortens it for the tests that plant hangs (tests/test_broken_files.py)
+STALL_SECONDS = float(os.environ.get("COURSE_STALL_SECONDS", 10))
 
 
 def dump_stacks_on_signal(folder, rank):
     """In a rank: SIGUSR1 writes every thread's Python stack to folder/stack-rank{rank}.txt
     (faulthandler: it works while the rank is blocked inside a collective's C++ wait). Linux and
     macOS; Windows has no SIGUSR1 (there a hang ends at the group's timeout, unnamed)."""
-    if folder and hasattr(signal, "SIGUSR1"):
+    if folder and hasattr(signal, "SIGUSR1") and not _STACK_FILES:  # the first stays: the
+        # watcher that forked this rank reads its folder, not one the lab's worker asks for later
         stream = open(os.path.join(folder, f"stack-rank{rank}.txt"), "w")
         faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
         _STACK_FILES.append(stream)  # kept open as long as the process lives
@@ -433,8 +448,10 @@ class HangWatch:
 
     def name_the_hang(self, pids, exited):
         """(the report, the likely cause): each rank's collective and line, from its stacks."""
-        waits = {rank: where_it_waits(text)
-                 for rank, text in faulthandler_stacks(pids, self.folder).items()}
+        stacks = faulthandler_stacks(pids, self.folder)
+        # a rank whose file stays empty (its own code took SIGUSR1, as lesson 12's does): py-spy
+        stacks.update(py_spy_stacks({r: p for r, p in pids.items() if r not in stacks}))
+        waits = {rank: where_it_waits(text) for rank, text in stacks.items()}
         parts = []
         for rank in sorted(set(pids) | set(exited)):
             if rank in exited:
@@ -445,7 +462,7 @@ class HangWatch:
                 parts.append(f"rank {rank} waits in {collective}" + (f" at {line}" if line else ""))
             else:
                 parts.append(f"rank {rank} waits (its stack could not be read)")
-        report = (f"the run hung: no rank used the CPU for {self.stall} s, and was stopped; "
+        report = (f"the run hung: no rank used the CPU for {self.stall:g} s, and was stopped; "
                   + "; ".join(parts))
         named = {waits[r][0] for r in waits}
         if exited and pids:
@@ -457,14 +474,74 @@ class HangWatch:
                      + ", ".join(f"rank {r}: {waits[r][0]}" for r in sorted(waits))
                      + "): every rank must call the same collectives in the same order (one "
                        "inside `if rank == 0` is the usual slip)")
-        elif pids and not named - {"init_process_group()"}:
+        elif named and not named - {"init_process_group()"}:
             cause = ("every rank waits to join the process group: a rank that never connects, "
                      "or ranks told different addresses, ports or world sizes")
+        elif not named:
+            cause = ("every rank stopped using the CPU, and no stack could be read to say where "
+                     "(py-spy dump --pid PID reads one: lesson 12)")
         else:
             cause = None
         return report, cause or (f"every rank waits in {', '.join(sorted(named)) or 'a wait'}: "
                                  "a rank called it once more than the others, or with another "
                                  "size or group")
+
+
+def torchrun_workers(agent_pid):
+    """{attempt: {rank: pid}} of the workers a torchrun agent runs now: its child processes, each
+    read for the RANK and TORCHELASTIC_RESTART_COUNT torchrun gave it (Linux's /proc; elsewhere
+    {}, and a hang ends at the caller's time limit instead)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{agent_pid}/task"):
+            with contextlib.suppress(OSError):
+                for pid in open(f"/proc/{agent_pid}/task/{task}/children").read().split():
+                    with contextlib.suppress(OSError, ValueError, KeyError):
+                        env = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read()
+                                   .split("\0") if "=" in v)
+                        found.setdefault(int(env["TORCHELASTIC_RESTART_COUNT"]), {})[
+                            int(env["RANK"])] = int(pid)
+    return found
+
+
+def wait_for_torchrun(proc, world, stacks, limit):
+    """proc.wait() for a torchrun launch (its agent: proc), watching the newest attempt's workers:
+    all of them idle for STALL_SECONDS is a hang, named from their stacks (each worker calls
+    dump_stacks_on_signal(stacks_of(stacks, attempt), rank)). Returns (exit code, None), or
+    (None, (the hang's report, its likely cause)) after killing the workers and the agent; past
+    `limit` seconds, (None, None), killed too."""
+    deadline, watches, workers = time.monotonic() + limit, {}, {}
+    while proc.poll() is None:
+        found = torchrun_workers(proc.pid)
+        if found:
+            attempt = max(found)
+            workers = found[attempt]
+            watch = watches.setdefault(attempt, HangWatch(stacks_of(stacks, attempt)))
+            if len(workers) == world and watch.stalled(workers):
+                hang = watch.name_the_hang(workers, {})
+                stop_torchrun(proc, workers)
+                return None, hang
+        if time.monotonic() > deadline:
+            stop_torchrun(proc, workers)
+            return None, None
+        time.sleep(0.5)
+    return proc.returncode, None
+
+
+def stacks_of(stacks, attempt):
+    """The folder a torchrun attempt's workers dump their stacks to (made here, by the first)."""
+    folder = os.path.join(stacks, f"attempt{attempt}")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def stop_torchrun(proc, workers):
+    """Kills a torchrun agent and its workers: they live in their own sessions, so killing the
+    agent alone would leave them running."""
+    for pid in list(workers.values()) + [proc.pid]:
+        with contextlib.suppress(OSError):  # gone already
+            hard_kill(pid)
+    proc.wait()
 
 
 def faulthandler_stacks(pids, folder, wait=5):
@@ -641,6 +718,16 @@ def rng_digest(state=None):
     import hashlib
     state = torch.get_rng_state() if state is None else state
     return hashlib.sha256(state.cpu().numpy().tobytes()).hexdigest()[:12]
+
+
+def noting_rng_restores(set_rng_state, noted):
+    """torch.set_rng_state, calling noted(digest) for each state it set that took effect: which
+    saved state a resumed rank restored (labs 04 and 05 compare it with the one saved)."""
+    def set_and_note(state, *args, **kwargs):
+        set_rng_state(state, *args, **kwargs)
+        if rng_digest() == rng_digest(state):
+            noted(rng_digest(state))
+    return set_and_note
 
 
 def first_apart(a, b, tolerance, names_and_sizes=()):

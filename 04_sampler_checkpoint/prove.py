@@ -46,7 +46,7 @@ lesson = course.import_lesson("sampler_checkpoint", needs=(  # or the file given
 START = course.START_METHOD
 TRAIN, HELD_OUT = 256, 101  # what lesson.worker builds: make_dataset(256 + 101), split 256 | 101
 DEFAULTS = {k: p.default for k, p in inspect.signature(lesson.main).parameters.items()}
-EVERY = inspect.signature(lesson.train).parameters["every"].default  # steps between checkpoints
+EVERY = course.default_of(lesson.train, "every", "sampler_checkpoint.py")  # steps between checkpoints
 BREAKS = {
     "no-rng-restore": "the resumed ranks do not restore their RNG state (torch.set_rng_state is a "
                       "no-op): dropout draws other masks after the resume",
@@ -174,15 +174,6 @@ def tracing(make_dataset, traces):
     return make_and_trace
 
 
-def recording_restore(set_rng_state, restored):
-    """torch.set_rng_state, recording the digest of each state it set that took effect."""
-    def set_and_record(state, *args, **kwargs):
-        set_rng_state(state, *args, **kwargs)
-        if course.rng_digest() == course.rng_digest(state):
-            restored.append(course.rng_digest(state))
-    return set_and_record
-
-
 def recording_rename(rename, renamed):
     """os.replace or os.rename, recording each destination's file name: a checkpoint that never
     was one was written in place (a crash mid-write leaves it damaged under its final name)."""
@@ -208,7 +199,7 @@ def lab_worker(rank, world_size, port, backend, epochs, folder, resume, out_dir,
     steps, evaluations, traces, restored, renamed = [0], [], [], [], []
     lesson.evaluate = recording(lesson.evaluate, evaluations, steps)
     lesson.make_dataset = tracing(lesson.make_dataset, traces)
-    torch.set_rng_state = recording_restore(torch.set_rng_state, restored)
+    torch.set_rng_state = course.noting_rng_restores(torch.set_rng_state, restored.append)
     if rank == 0:
         os.replace, os.rename = (recording_rename(f, renamed) for f in (os.replace, os.rename))
     register_optimizer_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))

@@ -45,7 +45,7 @@ lesson = course.import_lesson("torchrun_elastic", needs=(  # or the file given w
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # = the `torchrun` console script
 WORLD, KILLED_RANK, TRAIN = 2, 1, 256  # 2 ranks on this node; lesson.main trains on 256 samples
 DEFAULTS = {k: p.default for k, p in inspect.signature(lesson.main).parameters.items()}
-EVERY = inspect.signature(lesson.train).parameters["every"].default  # steps between checkpoints
+EVERY = course.default_of(lesson.train, "every", "torchrun_elastic.py")  # steps between checkpoints
 BREAKS = {
     "no-rng-restore": "the resumed ranks do not restore their RNG states (torch.set_rng_state is a "
                       "no-op): dropout draws other masks after the restart",
@@ -111,13 +111,9 @@ def torchrun_worker(settings):
         torch.set_rng_state = torch.cuda.set_rng_state = lambda *args, **kwargs: None
     if broken == "plain-init":
         lesson.init_distributed = plain_init
-    set_rng_state = torch.set_rng_state
-
-    def set_and_note(state, *args, **kwargs):  # which saved state took effect, for the diagnosis
-        set_rng_state(state, *args, **kwargs)
-        if course.rng_digest() == course.rng_digest(state):
-            note(record, restored=course.rng_digest(state))
-    torch.set_rng_state = set_and_note
+    # which saved state took effect, for the diagnosis
+    torch.set_rng_state = course.noting_rng_restores(
+        torch.set_rng_state, lambda digest: note(record, restored=digest))
     first, done = note_where_it_starts(lesson, record), [0]
 
     def after_each_step(optimizer, args, kwargs):
@@ -430,7 +426,9 @@ def plain_python(timeout):
                 contextlib.redirect_stdout(open(os.devnull, "w")):
             lesson.main(1, DEFAULTS["batch_size"], DEFAULTS["lr"], folder, timeout)
         return None
-    except Exception as error:  # the learner's file: what it raised is the finding
+    except (KeyError, TypeError, ValueError) as error:  # a variable read that is not set, before
+        if dist.is_initialized():  # the group: measured, not read from the file's text
+            raise  # the group was up: another error of the learner's (run_lab names its line)
         return f"{type(error).__name__}: {error}"
     finally:
         if dist.is_initialized():
