@@ -82,8 +82,16 @@ def train_replica(replica, lighthouse, steps, folder, timeout_s=30.0):
 
 def save_async(state, folder, pg):
     """dcp.async_save: copies `state` to CPU memory (the only part the step waits for), then writes
-    it from a thread, its collectives on `pg` (a group of its own, never the training group)."""
+    it from a thread, its collectives on `pg` (a group of its own, never the training group).
+    Returns a Future: call .result() before the next save."""
     return dcp.async_save(state, checkpoint_id=folder, process_group=pg)
+
+
+def newest_complete(root):
+    """The newest step-N folder holding DCP's .metadata, written last (by rank 0, once every rank
+    has written its data): a save cut short by a death is never the one a resume loads."""
+    done = [d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, ".metadata"))]
+    return max(done, key=lambda d: int(d.split("-")[-1]), default=None)
 
 
 def run(replicas, steps, folder, join_timeout_ms=1000):

@@ -35,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E40
 
 import course  # noqa: E402
 lesson = course.import_lesson("fault_tolerance", needs=(  # or the file given with --lesson PATH
-    "start_lighthouse", "make_model", "batch", "train_replica", "save_async"))
+    "start_lighthouse", "make_model", "batch", "train_replica", "save_async", "newest_complete"))
 
 LESSON_FILE = "14_fault_tolerance/fault_tolerance.py"
 REPLICAS, JOIN_MS = 3, 1000
@@ -251,6 +251,117 @@ def prove_torchft(folder, args):
         measured, causes
 
 
+# --- asynchronous checkpoints: 2 ranks, DDP on gloo, the lesson's save_async and resume -------
+
+WIDTH = 1024  # two layers of 1024 x 1024: 2.1 M parameters, 8.4 MB a copy
+
+
+def checkpoint_rank(rank, world_size, port, folder):
+    """Times dcp.save against save_async, checks the async checkpoint against the weights at the
+    call while training goes on, then starts a save and dies with it in flight: each rank
+    SIGKILLs itself once its own data file is being written, before DCP's .metadata can be."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # the checkpoint's own
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH)))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(step):
+        x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(10 * step + rank))
+        sgd.zero_grad()
+        model(x).square().mean().backward()
+        sgd.step()
+    root = os.path.join(folder, "checkpoints")
+    train_step(0)
+    start = time.perf_counter()
+    dcp.save({"model": model.module.state_dict()}, checkpoint_id=f"{root}/step-1",
+             process_group=group)
+    sync_s = time.perf_counter() - start
+    train_step(1)
+    at_call = {k: v.clone() for k, v in model.module.state_dict().items()}
+    start = time.perf_counter()
+    future = lesson.save_async({"model": model.module.state_dict()}, f"{root}/step-2", group)
+    blocked_s = time.perf_counter() - start
+    for step in range(2, 5):  # the weights change while the thread writes
+        train_step(step)
+    future.result()
+    total_s = time.perf_counter() - start
+    changed = course.max_abs_diff(at_call, model.module.state_dict())
+    loaded = {"model": {k: torch.empty_like(v) for k, v in at_call.items()}}
+    dcp.load(loaded, checkpoint_id=f"{root}/step-2", process_group=group)
+    equal = course.max_abs_diff(at_call, loaded["model"])
+    if rank == 0:
+        torch.save(at_call, os.path.join(folder, "step-2-weights.pt"))
+        json.dump({"sync_s": sync_s, "blocked_s": blocked_s, "total_s": total_s,
+                   "changed": changed, "equal": equal},
+                  open(os.path.join(folder, "ckpt.json"), "w"))
+    dist.barrier()
+    train_step(5)
+    lesson.save_async({"model": model.module.state_dict()}, f"{root}/step-5", group)
+    data = os.path.join(root, "step-5", f"__{rank}_0.distcp")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (
+            os.path.exists(data) and os.path.getsize(data) > 0):
+        time.sleep(0.001)
+    course.hard_kill(os.getpid())  # no finally, no flush: the save's thread dies with it
+
+
+def prove_checkpoints(folder, args):
+    context, port = mp.get_context(course.START_METHOD), course.find_free_port()
+    procs = [context.Process(target=checkpoint_rank, args=(r, 2, port, folder), daemon=True)
+             for r in range(2)]
+    try:
+        [p.start() for p in procs]
+        [p.join(timeout=args.timeout) for p in procs]
+    finally:
+        [course.hard_kill(p.pid) for p in procs if p.is_alive()]
+    codes = [p.exitcode for p in procs]
+    if not os.path.exists(os.path.join(folder, "ckpt.json")):
+        raise SystemExit(course.report_cause(f"the checkpoint ranks failed (exit codes {codes}) "
+                                             "before their first checkpoints", sys.stderr) and 1)
+    measured = json.load(open(os.path.join(folder, "ckpt.json")))
+    root = os.path.join(folder, "checkpoints")
+    if args.broken == "load-newest":
+        lesson.newest_complete = lambda root: max(os.listdir(root), key=lambda d: int(d[5:]))
+    flight = os.path.join(root, "step-5")
+    files = sorted(os.listdir(flight)) if os.path.isdir(flight) else []
+    size = sum(os.path.getsize(os.path.join(flight, f)) for f in files)
+    chosen = lesson.newest_complete(root)
+    state = {"model": {k: torch.empty_like(v) for k, v in torch.load(
+        os.path.join(folder, "step-2-weights.pt"), weights_only=True).items()}}
+    try:
+        dcp.load(state, checkpoint_id=os.path.join(root, chosen))
+        resumed = course.max_abs_diff(state["model"], torch.load(
+            os.path.join(folder, "step-2-weights.pt"), weights_only=True))
+        error = None
+    except Exception as e:  # noqa: BLE001 (a half-written checkpoint; the claim says so)
+        resumed, error = float("inf"), f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
+    print(f"\nasynchronous checkpoints: 2 ranks, DDP on gloo, {2 * WIDTH * (WIDTH + 1):,} "
+          "parameters; the checkpoint's own gloo group", flush=True)
+    print(f"  dcp.save blocked the step ~{measured['sync_s']:.3f} s; save_async blocked it "
+          f"~{measured['blocked_s']:.3f} s (the copy to CPU), then wrote for "
+          f"~{measured['total_s']:.3f} s while 3 steps ran", flush=True)
+    print(f"  the async checkpoint against the weights at the call: {measured['equal']} (the "
+          f"weights had moved ~{measured['changed']:.1e} by the time it was written)", flush=True)
+    print(f"  a save in flight when both ranks died (exit codes {codes}): step-5 holds "
+          f"{', '.join(files) or 'nothing'} (~{size:,} bytes), no .metadata", flush=True)
+    print(f"  the resume chose {chosen}" + (f": loading it raised {error}" if error else
+                                            f"; its weights against step 2's: {resumed}"),
+          flush=True)
+    ok = (measured["equal"] == 0.0 and measured["changed"] > 0 and codes == [-9, -9]
+          and ".metadata" not in files and resumed == 0.0)
+    causes = [(error is not None, "the resume loaded a checkpoint that was never finished: "
+               f"{error}; load the newest folder with DCP's .metadata "
+               f"({course.lesson_line(LESSON_FILE, 'def newest_complete')})")]
+    return ok, ("the async checkpoint equals the weights at the call; a save cut short by a "
+                "death is never loaded"), (f"checkpoint against the weights at the call "
+                                           f"{measured['equal']}, resumed from {chosen}: "
+                                           f"{resumed}"), causes
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     course.add_lesson_flag(parser, "fault_tolerance")
@@ -279,6 +390,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="prove14_") as folder:
         os.makedirs(os.path.join(folder, "ft"))
         results.append(prove_torchft(os.path.join(folder, "ft"), args))
+        results.append(prove_checkpoints(folder, args))
     passed = all(r[0] for r in results)
     code = course.report_proof(passed, "; ".join(r[1] for r in results),
                                "; ".join(r[2] for r in results), "0.0 and exact counts; the "
