@@ -121,6 +121,7 @@ class FailedWork(dist._Work):
 
 def replica_child(replica, address, steps, folder, kill_at, fail_at, broken, crash):
     torch.seed()  # a forked process starts with the server's RNG: reseed, as a fresh one would
+    torch.cuda.device_count = lambda: 0  # gloo on CPU even where GPUs are: the plants are gloo's
     plant(replica, folder, kill_at, fail_at, broken, crash)
     lesson.train_replica(replica, address, steps, folder)
 
@@ -346,6 +347,7 @@ def prove_checkpoints(folder, args):
             " (no .metadata to read)" if ".metadata" in str(e) else f": {str(e)[:80]}")
     print(f"\nasynchronous checkpoints: 2 ranks, DDP on gloo, {2 * WIDTH * (WIDTH + 1):,} "
           "parameters; the checkpoint's own gloo group", flush=True)
+    print(f"  timed on {course.hardware()}", flush=True)
     print(f"  dcp.save blocked the step ~{measured['sync_s']:.3f} s; save_async blocked it "
           f"~{measured['blocked_s']:.3f} s (the copy to CPU), then wrote for "
           f"~{measured['total_s']:.3f} s while 3 steps ran", flush=True)
@@ -388,9 +390,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    print(f"backend: gloo on CPU (torchft's ProcessGroupGloo, one rank per replica group); "
-          f"{course.hardware()}" + (f"; --break {args.broken}: {BREAKS[args.broken]}"
-                                    if args.broken else ""), flush=True)
+    print(f"backend: gloo (torchft's ProcessGroupGloo on CPU, where the lab plants its failure), "
+          f"{REPLICAS} replica(s) of 1 rank each"
+          + (f"; --break {args.broken}: {BREAKS[args.broken]}" if args.broken else ""), flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="prove14_") as folder:
         if args.broken != "load-newest":  # a --break runs the part it breaks

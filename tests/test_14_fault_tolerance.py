@@ -39,7 +39,7 @@ def test_the_default_run_proves_every_claim():
     assert [int(d) for *_, d in lives] == [0, 1, 0, 0], "replica 1's failed all-reduce, discarded"
     assert int(lives[0][1]) >= 55, "a survivor commits every step (from step 1 if it joined late)"
     runs = re.findall(r"(\d) x (\d+)", last_line_matching("participants per step", out))
-    assert sum(int(n) for _, n in runs) == 60
+    assert sum(int(n) for _, n in runs) == int(lives[0][1]), "a step, a row of replica 0's log"
     assert "3" in [p for p, _ in runs] and [p for p, _ in runs].count("2") >= 1
     stall = float(re.search(r"the stall .*?: ~(\S+) s", out)[1])
     assert 0.8 <= stall <= 3.0
@@ -78,10 +78,10 @@ def test_a_crashed_replica_stops_the_run(lesson):
 
 def test_the_lesson_copied_alone_trains_two_replicas_to_the_same_weights(lesson, tmp_path):
     shutil.copy(REPO / LESSON, tmp_path / "fault_tolerance.py")
-    result = lesson.run(tmp_path / "fault_tolerance.py", "--replicas", 2, "--steps", 10,
+    result = lesson.run(tmp_path / "fault_tolerance.py", "--replicas", 2, "--steps", 6,
                         cwd=tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^2 replicas, 10 steps committed, accuracy \d+/256; weights apart between "
+    assert re.search(r"^2 replicas, 6 steps committed, accuracy \d+/256; weights apart between "
                      r"replicas: 0\.0$", result.stdout, re.M), result.stdout
     assert os.listdir(tmp_path) == ["fault_tolerance.py"], "its files go to a temporary folder"
 
