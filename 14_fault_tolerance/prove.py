@@ -203,7 +203,8 @@ def prove_torchft(folder, args):
     once = all(steps == sorted(set(steps)) for steps, _ in lives.values())  # none twice
     counts_match = all(applied.get(life, 0) == len(steps) for life, (steps, _) in lives.items())
     committed0 = lives[f"0-{logs[0][0]['pid']}"][0]
-    every_step = sorted({s for steps, _ in lives.values() for s in steps}) == list(range(args.steps))
+    every_step = sorted({s for steps, _ in lives.values() for s in steps}) == \
+        list(range(args.steps))
     discarded = {life: d for life, (_, d) in lives.items() if d}
     first_life = [rows for life, rows in per_life.items() if life.startswith("2-")][0]
     kill_step = first_life[-1]["step"] + 1  # the step it died in, never logged
@@ -214,8 +215,8 @@ def prove_torchft(folder, args):
           f"{course.hard_killed()} after its backward at step {kill_step} "
           f"({killed_at or 0:.1f} s), started again at once; replica 1's all-reduce failed at "
           f"step {args.kill_step + 10}", flush=True)
-    print(f"  first quorum (step 0, with the step-0 sync): ~{logs[0][0]['seconds']:.2f} s; a "
-          f"usual step ~{usual:.3f} s ({PACE} s more while fewer than {REPLICAS} replicas are in: "
+    print(f"  first quorum (step 0, with the step-0 sync): {logs[0][0]['seconds']:.2f} s; a "
+          f"usual step {usual:.3f} s ({PACE} s more while fewer than {REPLICAS} replicas are in: "
           "the returning replica needs time to join)", flush=True)
     print("  participants per step (replica 0): "
           + ", ".join(f"{n} x {count}" for n, count in runs), flush=True)
@@ -225,8 +226,8 @@ def prove_torchft(folder, args):
     print("  per process: steps committed / real optimizer steps / discarded: " + ", ".join(
         f"replica {life.split('-')[0]} {len(s)}/{applied.get(life, 0)}/{d}"
         for life, (s, d) in lives.items()), flush=True)
-    print(f"  the stall after the kill (its step less {PACE} s): ~{stall:.2f} s (join timeout {JOIN_MS / 1000:.1f} s)",
-          flush=True)
+    print(f"  the stall after the kill (its step less {PACE} s): {stall:.2f} s (join timeout "
+          f"{JOIN_MS / 1000:.1f} s)", flush=True)
     print(f"  the returning replica healed from a peer: its first step is {returning[0]['step']}"
           f" (not 0); largest weight difference between the 3 replicas at the end: {apart}",
           flush=True)
@@ -243,7 +244,8 @@ def prove_torchft(folder, args):
     causes = [
         (not counts_match, "an optimizer step outside should_commit(): a replica applied a step "
          "the quorum discarded (real optimizer steps > commits above); step through torchft's "
-         f"Optimizer, which asks should_commit() ({course.lesson_line(LESSON_FILE, 'Optimizer(')})"),
+         "Optimizer, which asks should_commit() "
+         f"({course.lesson_line(LESSON_FILE, 'Optimizer(')})"),
         (apart != 0.0, "a replica that healed did not load its peer's weights: the Manager's "
          "load_state_dict must load the model and the optimizer "
          f"({course.lesson_line(LESSON_FILE, 'load_state_dict=lambda')})"),
@@ -251,8 +253,9 @@ def prove_torchft(folder, args):
          f"Lighthouse's join_timeout_ms ({course.lesson_line(LESSON_FILE, 'join_timeout_ms=')})"),
     ]
     return ok, ("the survivors train on without a restart; every step committed, none twice, "
-                "none applied outside a commit; the stall is the join timeout; the failed all-reduce's "
-                "step discarded; the returning replica heals and all end bit-identical"), \
+                "none applied outside a commit; the stall is the join timeout; the failed "
+                "all-reduce's step discarded; the returning replica heals and all end "
+                "bit-identical"), \
         measured, causes, "0.0 and exact counts; the stall 0.8 x to the join timeout + 2 s"
 
 
@@ -348,13 +351,13 @@ def prove_checkpoints(folder, args):
     print(f"\nasynchronous checkpoints: 2 ranks, DDP on gloo, {2 * WIDTH * (WIDTH + 1):,} "
           "parameters; the checkpoint's own gloo group", flush=True)
     print(f"  timed on {course.hardware()}", flush=True)
-    print(f"  dcp.save blocked the step ~{measured['sync_s']:.3f} s; save_async blocked it "
-          f"~{measured['blocked_s']:.3f} s (the copy to CPU), then wrote for "
-          f"~{measured['total_s']:.3f} s while 3 steps ran", flush=True)
+    print(f"  dcp.save blocked the step {measured['sync_s']:.3f} s; save_async blocked it "
+          f"{measured['blocked_s']:.3f} s (the copy to CPU), then wrote for "
+          f"{measured['total_s']:.3f} s while 3 steps ran", flush=True)
     print(f"  the async checkpoint against the weights at the call: {measured['equal']} (the "
-          f"weights had moved ~{measured['changed']:.1e} by the time it was written)", flush=True)
+          f"weights had moved {measured['changed']:.1e} by the time it was written)", flush=True)
     print(f"  a save in flight when both ranks died (exit codes {codes}): step-5 holds "
-          f"{', '.join(files) or 'nothing'} (~{size:,} bytes), no .metadata", flush=True)
+          f"{', '.join(files) or 'nothing'} ({size} bytes), no .metadata", flush=True)
     print(f"  the resume chose {chosen}" + (f": loading it raised {error}" if error else
                                             f"; its weights against step 2's: {resumed}"),
           flush=True)

@@ -40,8 +40,8 @@ def test_the_default_run_proves_every_claim():
     assert int(lives[0][1]) >= 55, "a survivor commits every step (from step 1 if it joined late)"
     runs = re.findall(r"(\d) x (\d+)", last_line_matching("participants per step", out))
     assert sum(int(n) for _, n in runs) == int(lives[0][1]), "a step, a row of replica 0's log"
-    assert "3" in [p for p, _ in runs] and [p for p, _ in runs].count("2") >= 1
-    stall = float(re.search(r"the stall .*?: ~(\S+) s", out)[1])
+    assert "3" in [p for p, _ in runs], "(a 2-replica stretch only if the return is slow)"
+    stall = float(re.search(r"the stall .*?: (\S+) s", out)[1])
     assert 0.8 <= stall <= 3.0
     kill = int(re.search(r"after its backward at step (\d+)", out)[1])
     first = int(re.search(r"its first step is (\d+)", out)[1])
@@ -76,7 +76,7 @@ def test_a_crashed_replica_stops_the_run(lesson):
 
 # --- the lesson alone ------------------------------------------------------------------------------
 
-def test_the_lesson_copied_alone_trains_two_replicas_to_the_same_weights(lesson, tmp_path):
+def test_the_lesson_copied_alone_trains_two_replicas_alike(lesson, tmp_path):
     shutil.copy(REPO / LESSON, tmp_path / "fault_tolerance.py")
     result = lesson.run(tmp_path / "fault_tolerance.py", "--replicas", 2, "--steps", 6,
                         cwd=tmp_path, timeout=180)
@@ -106,7 +106,7 @@ def test_the_resume_skips_a_folder_without_metadata(prove, tmp_path):
     assert prove.lesson.newest_complete(str(tmp_path / "step-11")) is None
 
 
-def test_a_replicas_batch_is_the_same_in_any_process_and_differs_by_replica(prove):
+def test_a_replicas_batch_is_the_same_in_any_process_and_its_own(prove):
     dataset = prove.lesson.make_dataset()
     x, y = prove.lesson.batch(dataset, 1, 7, 16)
     assert torch.equal(x, prove.lesson.batch(dataset, 1, 7, 16)[0])
@@ -122,7 +122,8 @@ def test_a_replicas_batch_is_the_same_in_any_process_and_differs_by_replica(prov
     (["--crash-rank", "3"], "--crash-rank must be a rank from 0 to 2"),
     (["--break", "heal"], "invalid choice: 'heal'"),
 ])
-def test_impossible_choices_are_refused_before_any_replica_starts(prove, capsys, args, message):
+def test_impossible_choices_are_refused_before_any_replica_starts(prove, capsys, args,
+                                                                    message):
     assert_refused_in_process(prove.parse_args, args, capsys, message)
 
 
