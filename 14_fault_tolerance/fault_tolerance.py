@@ -114,8 +114,7 @@ def newest_complete(root):
 
 def main(replicas=3, steps=40, batch_size=16, lr=0.05, timeout=60):
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust half logs each quorum at INFO
-    lighthouse = start_lighthouse(replicas, join_timeout_ms=1000)  # prove.py: 2 of 3 go on
-    backend, reason = choose_backend(1)
+    lighthouse, (backend, reason) = start_lighthouse(replicas, 1000), choose_backend(1)
     print(f"backend: {backend} ({reason}); lighthouse at {lighthouse.address()}", flush=True)
     context, folder = multiprocessing.get_context("spawn"), tempfile.mkdtemp(prefix="lesson14_")
     procs = [context.Process(target=train_replica, args=(
