@@ -54,17 +54,17 @@ def start_lighthouse(min_replicas, join_timeout_ms):
                             join_timeout_ms=join_timeout_ms, heartbeat_timeout_ms=2000)
 
 
-def train_replica(replica, lighthouse, steps, folder, batch_size=16, lr=0.05, timeout=60):
-    """A replica group of one rank; each step a line of folder/replica{N}.jsonl, then its .pt."""
-    gpus = torch.cuda.device_count()  # a GPU per replica group if there is one, else gloo on CPU
-    device = torch.device("cuda", replica % gpus) if gpus else torch.device("cpu")
-    torch.cuda.set_device(device) if gpus else torch.set_num_threads(1)
+def train_replica(replica, lighthouse, steps, folder, batch_size=16, lr=0.05, timeout=60,
+                  backend="gloo"):
+    """A replica group of one rank (nccl: on GPU `replica`); a step a line of replica{N}.jsonl."""
+    device = torch.device("cuda", replica) if backend == "nccl" else torch.device("cpu")
+    torch.cuda.set_device(device) if backend == "nccl" else torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     model = make_model().to(device)  # the group's own store, above: its ranks' rendezvous
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     manager = Manager(
-        pg=(ProcessGroupNCCL if gpus else ProcessGroupGloo)(timeout=timeout),
+        pg=(ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo)(timeout=timeout),
         min_replica_size=1, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
         connect_timeout=timeout, load_state_dict=lambda state: (
             model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])),
@@ -114,11 +114,11 @@ def newest_complete(root):
 
 def main(replicas=3, steps=40, batch_size=16, lr=0.05, timeout=60):
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust half logs each quorum at INFO
-    lighthouse, (backend, reason) = start_lighthouse(replicas, 1000), choose_backend(1)
+    lighthouse, (backend, reason) = start_lighthouse(replicas, 1000), choose_backend(replicas)
     print(f"backend: {backend} ({reason}); lighthouse at {lighthouse.address()}", flush=True)
     context, folder = multiprocessing.get_context("spawn"), tempfile.mkdtemp(prefix="lesson14_")
-    procs = [context.Process(target=train_replica, args=(
-        r, lighthouse.address(), steps, folder, batch_size, lr, timeout)) for r in range(replicas)]
+    procs = [context.Process(target=train_replica, args=(r, lighthouse.address(), steps, folder,
+             batch_size, lr, timeout, backend)) for r in range(replicas)]
     try:
         [p.start() for p in procs]
         [p.join(timeout=10 * timeout) for p in procs]

@@ -121,7 +121,6 @@ class FailedWork(dist._Work):
 
 def replica_child(replica, address, steps, folder, kill_at, fail_at, broken, crash):
     torch.seed()  # a forked process starts with the server's RNG: reseed, as a fresh one would
-    torch.cuda.device_count = lambda: 0  # gloo on CPU even where GPUs are: the plants are gloo's
     plant(replica, folder, kill_at, fail_at, broken, crash)
     lesson.train_replica(replica, address, steps, folder)
 

@@ -110,11 +110,12 @@ def checkpoint(folder, model, optimizer, step, config, device):
 
 
 # TODO(lesson 14): train_replica(replica, lighthouse, steps, folder, batch_size=16, lr=0.05,
-#     timeout=60): one replica group of one rank: a GPU if there is one, else CPU with one thread;
-#     the group's own TCPStore (port 0, master); lesson 05's model and SGD; a Manager (torchft's
-#     gloo group, or NCCL on a GPU; min_replica_size=1, use_async_quorum=False, every timeout, a
-#     load_state_dict and a state_dict of the model AND the optimizer, replica_id, the lighthouse,
-#     rank 0 of 1, the store's address); torchft's DDP and Optimizer around the model and SGD
+#     timeout=60, backend='gloo'): one replica group of one rank: GPU `replica` with nccl, else CPU
+#     with one thread; the group's own TCPStore (port 0, master); lesson 05's model and SGD; a
+#     Manager (torchft's NCCL or gloo group; min_replica_size=1, use_async_quorum=False, every
+#     timeout, a load_state_dict and a state_dict of the model AND the optimizer, replica_id, the
+#     lighthouse, rank 0 of 1, the store's address); torchft's DDP and Optimizer around the model
+#     and SGD
 def train(model, loader, optimizer, epochs, device, step, val_set, folder, config, every=5):
     """From `step` on, with a checkpoint every `every` steps and at the end; returns the losses."""
     losses = []
@@ -217,11 +218,11 @@ def main(epochs=2, batch_size=16, lr=0.05, folder="checkpoints", timeout=60):
 
 
 # TODO(lesson 14): main(replicas=3, steps=40, batch_size=16, lr=0.05, timeout=60): a Lighthouse
-#     (min_replicas=replicas, join timeout 1 s); print the backend and the Lighthouse's address; a
-#     spawn process per replica running train_replica into a temporary folder; then every 10th
-#     step's loss and replicas, the steps committed, replica 0's accuracy and the largest
-#     difference between the replicas' weights; kill what is left, shut the Lighthouse down, remove
-#     the folder
+#     (min_replicas=replicas, join timeout 1 s); the backend for `replicas` GPUs (choose_backend);
+#     print it and the Lighthouse's address; a spawn process per replica running train_replica into
+#     a temporary folder; then every 10th step's loss and replicas, the steps committed, replica
+#     0's accuracy and the largest difference between the replicas' weights; kill what is left,
+#     shut the Lighthouse down, remove the folder
 if __name__ == "__main__":  # torchrun runs this file once per rank
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # TODO(lesson 14): flags: --replicas (default 3) and --steps (default 40) instead of --epochs;
