@@ -87,6 +87,9 @@ GPU_PLAN = {
     "12_debugging": (lambda g: [], "no flag: the lab plants its hangs and bugs on gloo (CPU): gloo's "
                      "timeout, monitored_barrier and the flight recorder's dump are what it proves; "
                      "the NCCL paths are in its NOTES.md, untested"),
+    "14_fault_tolerance": (lambda g: [], "no flag: the lab runs its replica groups on torchft's gloo "
+                           "group (CPU), where it plants its failed all-reduce; the lesson's NCCL "
+                           "path (a GPU per replica group) is in its NOTES.md, untested"),
 }
 
 

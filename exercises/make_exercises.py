@@ -308,6 +308,56 @@ DIFF_EXERCISES = {
         ("--dtype", ["flags --world-size, --epochs (default 1), --dtype (float32 or float64), "
                      "--debug-dir, --timeout; main(**vars(parser.parse_args()))"]),
     ]),
+    "14_fault_tolerance": ("05_torchrun_elastic/torchrun_elastic.py", [
+        ("Lesson 14", GIVEN),
+        ("import json", ["import what the step log and the replicas' processes need"]),
+        ("import shutil", SAME), ("import tempfile", SAME),
+        ("torch.distributed.checkpoint", ["import torch.distributed.checkpoint (as dcp)"]),
+        ("torchft", ["import torchft's DistributedDataParallel (as DDP), Manager, Optimizer, "
+                     "ProcessGroupGloo and ProcessGroupNCCL, and LighthouseServer from "
+                     "torchft.coordination; from torch.utils.data only TensorDataset"]),
+        ("def accuracy", ["instead of evaluate: accuracy(model, dataset), the samples of "
+                          "dataset.tensors the model classifies right, in one forward (no "
+                          "process group here)"]),
+        ("dataset.tensors", SAME),
+        ("def batch", ["instead of find_checkpoint (a replica that joins heals from a live peer): "
+                       "batch(dataset, replica, step, batch_size), batch_size samples drawn by a "
+                       "generator seeded by 1000 * step + replica"]),
+        ("def start_lighthouse", ["instead of checkpoint: start_lighthouse(min_replicas, "
+                                  "join_timeout_ms), a LighthouseServer on [::]:0 with a "
+                                  "heartbeat timeout of 2000 ms"]),
+        ("def train_replica", [
+            "train_replica(replica, lighthouse, steps, folder, batch_size=16, lr=0.05, "
+            "timeout=60, backend='gloo'): one replica group of one rank: GPU `replica` with "
+            "nccl, else CPU with one thread; the group's own TCPStore (port 0, master); lesson "
+            "05's model and SGD; a Manager (torchft's NCCL or gloo group; min_replica_size=1, "
+            "use_async_quorum=False, every timeout, a load_state_dict and a state_dict of the "
+            "model AND the optimizer, replica_id, the lighthouse, rank 0 of 1, the store's "
+            "address); torchft's DDP and Optimizer around the model and SGD"]),
+        ("manager.current_step() < steps", [
+            "until the Manager has committed `steps`: optimizer.zero_grad() FIRST (the quorum, "
+            "and a heal), then the batch of (replica, the Manager's current step)"]),
+        ("optimizer.zero_grad()", SAME),
+        ("log.write", ["after each step a JSON line in folder/replica{replica}.jsonl "
+                       "(line-buffered): step, committed (the Manager's step moved on), "
+                       "participants, loss, seconds, pid; at the end the module's weights in "
+                       "folder/replica{replica}.pt, and manager.shutdown(wait=False)"]),
+        ("def save_async", ["instead of init_distributed: save_async(state, folder, pg), "
+                            "dcp.async_save on the process group pg; return its future"]),
+        ("def newest_complete", ["instead of this main: newest_complete(root), the step-N folder "
+                                 "with the largest N that holds DCP's .metadata, or None"]),
+        ("def main(replicas", [
+            "main(replicas=3, steps=40, batch_size=16, lr=0.05, timeout=60): a Lighthouse "
+            "(min_replicas=replicas, join timeout 1 s); the backend for `replicas` GPUs "
+            "(choose_backend); print it and the Lighthouse's "
+            "address; a spawn process per replica running train_replica into a temporary folder; "
+            "then every 10th step's loss and replicas, the steps committed, replica 0's accuracy "
+            "and the largest difference between the replicas' weights; kill what is left, shut "
+            "the Lighthouse down, remove the folder"]),
+        ("--replicas", ["flags: --replicas (default 3) and --steps (default 40) instead of "
+                        "--epochs; no --ckpt-dir"]),
+        ("--ckpt-dir", SAME),
+    ]),
 }
 
 # Lesson 11: (functions cut out of the script, {function: hint lines})

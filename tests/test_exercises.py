@@ -13,6 +13,7 @@ from conftest import REPO, load_script, run_lesson, run_readme_command
 MAKER = REPO / "exercises" / "make_exercises.py"
 EXERCISES = ["02_ddp_spawn", "04_sampler_checkpoint", "05_torchrun_elastic", "07_fsdp_dcp",
              "09_training_loop", "10_tensor_parallel", "11_train_gpt", "12_debugging"]
+EXERCISES.append("14_fault_tolerance")  # issue 36
 # A typical mistake per exercise: the solution with these edits, the lab's extra arguments, and
 # what the lab must say. Each edit must match the solution exactly once.
 MISTAKES = {
@@ -46,6 +47,10 @@ MISTAKES = {
                      ["--part", "hangs"], "PROOF FAILED",
                      "LIKELY CAUSE: no rank wrote its flight recorder when its collective raised"),
 }
+MISTAKES["14_fault_tolerance"] = (  # a heal that loads nothing: the replicas end apart
+    [('model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])),',
+      "None, None),")], [], "PROOF FAILED",
+    "LIKELY CAUSE: a replica that healed did not load its peer's weights")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, load_script
 
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)$")
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)(?:\s*;\s*[^#]+)?$")  # ; a marker
 
 
 def pins(path):

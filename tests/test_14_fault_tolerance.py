@@ -1,0 +1,132 @@
+"""Lesson 14 and its lab: torchft's replica groups survive a SIGKILLed replica (no restart of the
+others, every step committed once, the stall the join timeout, the returning replica healed and
+bit-identical), a failed all-reduce's step is discarded, and dcp.async_save's checkpoint equals
+the weights at the call while a save cut short by a death is never loaded.
+
+Command-line runs are what a user sees (the lab's proof, two --breaks, a crashed replica, the
+lesson copied alone); the pieces (the Lighthouse, the resume's choice, the batches) in-process."""
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from conftest import (REPO, assert_crashed_rank_stops_the_run, assert_help_in_process,
+                      assert_refused_in_process, last_line_matching, load_script,
+                      run_readme_command)
+
+LAB = "14_fault_tolerance/prove.py"
+LESSON = "14_fault_tolerance/fault_tolerance.py"
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def prove():
+    return load_script(LAB)
+
+
+# --- the lab, run as the README runs it ---------------------------------------------------------
+
+def test_the_default_run_proves_every_claim():
+    result = run_readme_command(f"python {LAB}")  # the same run the README output test reads
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert last_line_matching(r"^PROOF ", out).startswith("PROOF PASSED")
+    lives = re.findall(r"replica (\d) (\d+)/(\d+)/(\d+)", last_line_matching("per process", out))
+    assert [r for r, *_ in lives] == ["0", "1", "2", "2"], "3 processes and one restart"
+    assert all(committed == applied for _, committed, applied, _ in lives)
+    assert [int(d) for *_, d in lives] == [0, 1, 0, 0], "replica 1's failed all-reduce, discarded"
+    assert int(lives[0][1]) >= 55, "a survivor commits every step (from step 1 if it joined late)"
+    runs = re.findall(r"(\d) x (\d+)", last_line_matching("participants per step", out))
+    assert sum(int(n) for _, n in runs) == int(lives[0][1]), "a step, a row of replica 0's log"
+    assert "3" in [p for p, _ in runs], "(a 2-replica stretch only if the return is slow)"
+    stall = float(re.search(r"the stall .*?: (\S+) s", out)[1])
+    assert 0.8 <= stall <= 3.0
+    kill = int(re.search(r"after its backward at step (\d+)", out)[1])
+    first = int(re.search(r"its first step is (\d+)", out)[1])
+    assert first > kill, "the returning replica starts at the current step, not 0"
+    assert "between the 3 replicas at the end: 0.0" in out
+    assert "against the weights at the call: 0.0 (the weights had moved" in out
+    assert "exit codes [-9, -9]" in out and "no .metadata" in out
+    assert "the resume chose step-2; its weights against step 2's: 0.0" in out
+
+
+def test_the_commit_anyway_break_fails_its_count():
+    result = run_readme_command(f"python {LAB} --break commit-anyway")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "asynchronous checkpoints" not in result.stdout, "a --break runs the part it breaks"
+    assert re.search(r"replica 1 59/60/1", result.stdout), "the discarded step applied"
+    assert result.stdout.splitlines()[-1].startswith(
+        "LIKELY CAUSE: an optimizer step outside should_commit()")
+
+
+def test_the_load_newest_break_loads_a_half_written_checkpoint():
+    result = run_readme_command(f"python {LAB} --break load-newest")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "replica groups" not in result.stdout, "a --break runs the part it breaks"
+    assert "the resume chose step-5: loading it raised" in result.stdout
+    assert result.stdout.splitlines()[-1].startswith(
+        "LIKELY CAUSE: the resume loaded a checkpoint that was never finished")
+
+
+def test_a_crashed_replica_stops_the_run(lesson):
+    assert_crashed_rank_stops_the_run(lesson, LAB)
+
+
+# --- the lesson alone ------------------------------------------------------------------------------
+
+def test_the_lesson_copied_alone_trains_two_replicas_alike(lesson, tmp_path):
+    shutil.copy(REPO / LESSON, tmp_path / "fault_tolerance.py")
+    result = lesson.run(tmp_path / "fault_tolerance.py", "--replicas", 2, "--steps", 6,
+                        cwd=tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^2 replicas, 6 steps committed, accuracy \d+/256; weights apart between "
+                     r"replicas: 0\.0$", result.stdout, re.M), result.stdout
+    assert os.listdir(tmp_path) == ["fault_tolerance.py"], "its files go to a temporary folder"
+
+
+# --- the pieces, in-process ------------------------------------------------------------------------
+
+def test_the_lighthouse_listens_on_a_free_port_and_shuts_down(prove):
+    lighthouse = prove.lesson.start_lighthouse(1, 100)
+    try:
+        assert re.fullmatch(r"http://[^:]+:\d+", lighthouse.address())
+    finally:
+        lighthouse.shutdown()
+
+
+def test_the_resume_skips_a_folder_without_metadata(prove, tmp_path):
+    for step, done in ((2, True), (10, True), (11, False)):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / "__0_0.distcp").write_bytes(b"x")
+        if done:
+            (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"m")
+    assert prove.lesson.newest_complete(str(tmp_path)) == "step-10", "10 > 2: by number"
+    assert prove.lesson.newest_complete(str(tmp_path / "step-11")) is None
+
+
+def test_a_replicas_batch_is_the_same_in_any_process_and_its_own(prove):
+    dataset = prove.lesson.make_dataset()
+    x, y = prove.lesson.batch(dataset, 1, 7, 16)
+    assert torch.equal(x, prove.lesson.batch(dataset, 1, 7, 16)[0])
+    assert not torch.equal(x, prove.lesson.batch(dataset, 2, 7, 16)[0])
+    assert y.shape == (16,)
+
+
+# --- guard rails and help, in-process ----------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--kill-step", "0"], "--kill-step must be from 1 to --steps - 12 (48)"),
+    (["--steps", "20", "--kill-step", "10"], "--kill-step must be from 1 to --steps - 12 (8)"),
+    (["--crash-rank", "3"], "--crash-rank must be a rank from 0 to 2"),
+    (["--break", "heal"], "invalid choice: 'heal'"),
+])
+def test_impossible_choices_are_refused_before_any_replica_starts(prove, capsys, args,
+                                                                    message):
+    assert_refused_in_process(prove.parse_args, args, capsys, message)
+
+
+def test_help_names_every_flag_and_break(prove, capsys):
+    assert_help_in_process(prove.parse_args, ["--steps", "--kill-step", "--timeout", "--break",
+                                              "--crash-rank", "--lesson", *prove.BREAKS], capsys)
