@@ -107,7 +107,7 @@ def find_free_port():  # free now; below 32768 the OS hands none out by default 
 def make_batches(steps, dp=1, d=0, batch_size=16, length=16, vocab=32):  # lesson 10's counting:
     x = torch.randint(vocab, (steps * batch_size, 1), generator=torch.Generator().manual_seed(0))
     x = ((x + torch.arange(length + 1)) % vocab).split(batch_size)  # the same in every process
-    return [(b[d::dp, :-1], b[d::dp, 1:]) for b in x]  # data-parallel rank d's slice of each batch
+    return [(b[d::dp, :-1].contiguous(), b[d::dp, 1:].contiguous()) for b in x]  # rank d's slice
 
 
 def worker(rank, world_size, port, backend, pp, replicas, tp, schedule_name, steps=3, timeout=60):
