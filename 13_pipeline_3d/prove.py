@@ -110,12 +110,14 @@ def lab_worker(rank, port, backend, broken, crash_rank, timeout, out_dir):
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     torch.cuda.set_device(device) if device.type == "cuda" else torch.set_num_threads(1)
-    if "nested-reshard" in broken:  # FSDP2's default on the blocks, under the zero-bubble ones
-        lesson.fully_shard = lambda m, **kw: fully_shard(m, **{**kw, "reshard_after_forward": not
-                                                              isinstance(m, nn.Sequential)})
-    if "hsdp-no-replicate" in broken:
-        lesson.fully_shard = lambda m, mesh, **kw: fully_shard(m, mesh=mesh["shard"] if mesh.ndim
-                                                               == 2 else mesh, **kw)
+    shard = fully_shard
+    if "nested-reshard" in broken:  # FSDP2's default on the blocks (the stage's root keeps False)
+        shard = lambda m, shard=shard, **kw: shard(m, **{**kw, "reshard_after_forward": not
+                                                         isinstance(m, nn.Sequential)})
+    if "hsdp-no-replicate" in broken:  # the 2-D (replicate, shard) mesh's shard dimension only
+        shard = lambda m, shard=shard, mesh=None, **kw: shard(m, mesh=mesh["shard"] if mesh.ndim
+                                                              == 2 else mesh, **kw)
+    lesson.fully_shard = shard
     if rank == crash_rank:
         course.crash_at_step(rank, 2)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
