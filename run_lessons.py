@@ -87,6 +87,9 @@ GPU_PLAN = {
     "12_debugging": (lambda g: [], "no flag: the lab plants its hangs and bugs on gloo (CPU): gloo's "
                      "timeout, monitored_barrier and the flight recorder's dump are what it proves; "
                      "the NCCL paths are in its NOTES.md, untested"),
+    "13_pipeline_3d": (lambda g: ["--device", "cuda"] if g >= 4 else [],
+                       "NCCL with 4 GPUs or more (its one launch of 4 ranks: 7 schedules on pp 2 x "
+                       "FSDP 2, pp 2 x TP 2, HSDP 2 x 2); fewer: gloo on CPU"),
 }
 
 

@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import course  # noqa: E402
 
 lesson = course.import_lesson("pipeline_3d", needs=("make_model", "split_model", "build", "train",
                                                     "make_batches"))
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PLAIN = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS"]
 ZERO_BUBBLE = ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
 # torch 2.11 (the floor): a V-shaped schedule's start-up p2p sends a rank's stage to its own other
@@ -42,6 +42,7 @@ ZERO_BUBBLE = [s for s in ZERO_BUBBLE if s not in SKIPPED]
 RUNS = [*((s, s, (2, 1, 2, 1)) for s in PLAIN + ZERO_BUBBLE), ("tp", "Schedule1F1B", (2, 1, 1, 2)),
         ("hsdp", "ScheduleGPipe", (1, 2, 2, 1))]
 STEPS, MICRO, BATCH, LR = 2, 4, 16, 0.05
+LAST = {}  # the last launch's files, {name: [what each rank saved]} (the notebook draws them)
 BREAKS = {"nested-reshard": "fully_shard each block with reshard_after_forward=True (FSDP2's "
           "default) under the zero-bubble schedules",
           "hsdp-no-replicate": "HSDP's fully_shard over the shard dimension only: replicas drift"}
@@ -212,8 +213,8 @@ def plot_timeline(runs, names=("ScheduleGPipe", "Schedule1F1B", "ScheduleInterle
     axes[-1, 0].set_xlabel("ms since the step began (F forward, B backward, I input grads, "
                            "W weight grads)")
     handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in colors.items()]
-    axes[0, 0].legend(handles=handles, ncol=4, fontsize=7, loc="upper right")
-    fig.tight_layout()
+    fig.legend(handles=handles, ncol=4, fontsize=7, loc="upper right")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     if path:
         fig.savefig(path, dpi=80)
     return fig
@@ -250,6 +251,7 @@ def main(argv=None):
         runs = {name: [torch.load(os.path.join(out_dir, f"{name}_{r}.pt"), weights_only=False)
                        for r in range(4)] for name, _, _ in RUNS}
     print(f"the launch took {took:.1f} s on {course.hardware()}")
+    LAST.clear(), LAST.update(runs)
     if args.plot:
         plot_timeline(runs, path=args.plot)
     return report(runs, args)
