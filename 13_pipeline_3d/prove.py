@@ -43,8 +43,8 @@ RUNS = [*((s, s, (2, 1, 2, 1)) for s in PLAIN + ZERO_BUBBLE), ("tp", "Schedule1F
         ("hsdp", "ScheduleGPipe", (1, 2, 2, 1))]
 STEPS, MICRO, BATCH, LR = 2, 4, 16, 0.05
 LAST = {}  # the last launch's files, {name: [what each rank saved]} (the notebook draws them)
-BREAKS = {"nested-reshard": "fully_shard each block with reshard_after_forward=True (FSDP2's "
-          "default) under the zero-bubble schedules",
+BREAKS = {"nested-reshard": "fully_shard each block with reshard_after_forward=True (what FSDP2 "
+          "does to a non-root module by default) under the zero-bubble schedules",
           "hsdp-no-replicate": "HSDP's fully_shard over the shard dimension only: replicas drift"}
 
 
@@ -273,8 +273,8 @@ def report(runs, args):
                                "(pp 2 x TP 2) end at one process's weights",
                                f"max |dw| {max(diffs[n] for n in PLAIN + ['tp']):.1e}", tol)
     code |= course.report_proof(max(diffs[n] for n in ZERO_BUBBLE) < tol,
-                                "the zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, "
-                                "DualPipeV) end at one process's weights",
+                                f"the zero-bubble schedules ({', '.join(n[8:] for n in ZERO_BUBBLE)})"
+                                " end at one process's weights",
                                 f"max |dw| {max(diffs[n] for n in ZERO_BUBBLE):.1e}", tol)
     p, m = 2, MICRO
     rows = []
