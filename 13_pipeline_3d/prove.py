@@ -3,12 +3,12 @@ ranks costs seconds of imports, so every claim shares it):
   1. every schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
      DualPipeV) on pp 2 x FSDP 2 ends 2 SGD steps at the weights of one process on the global batch;
      so does pp 2 x TP 2 (1F1B);
-  2. the bubble, from each schedule's own action list, against (p-1)/(m+p-1) (GPipe, 1F1B) and
-     (p-1)/(v m+p-1) (interleaved, v stages a rank);
+  2. the bubble, from each rank's actions in the order the run ran them (replayed at unit cost),
+     against (p-1)/(m+p-1) (GPipe, 1F1B) and (p-1)/(v m+p-1) (interleaved, v stages a rank);
   3. the activations a rank holds at its peak (saved-tensor bytes, lesson 10's counting): GPipe m
      micro-batches, 1F1B p - r on pipeline rank r;
-  4. HSDP, 2 replicas x 2 shards: equal to one process, a quarter... half the parameters a rank.
-The timeline of each schedule, per rank, is drawn from the run into pipeline_timeline.png."""
+  4. HSDP, 2 replicas x 2 shards: equal to one process, with half the parameters a rank.
+--plot PNG draws each schedule's timeline, per rank, from the run (the README's picture)."""
 import argparse
 import datetime
 import logging
@@ -91,7 +91,7 @@ def run_one(rank, mesh, name, schedule_name, broken, out_dir):
         peaks.append((Held.peak - Held.now, Held.packed))
         return out
     schedule.step = measured_step
-    pp, dp, tp = mesh["pp"].size(), mesh["rep"].size() * mesh["shard"].size(), mesh["tp"].size()
+    dp, tp = mesh["rep"].size() * mesh["shard"].size(), mesh["tp"].size()
     batches = [(x.to(device), y.to(device)) for x, y in
                lesson.make_batches(STEPS, dp, rank // tp % dp, BATCH)]
     losses = lesson.train(schedule, stages, batches, say=False, lr=LR)
