@@ -87,6 +87,9 @@ GPU_PLAN = {
     "12_debugging": (lambda g: [], "no flag: the lab plants its hangs and bugs on gloo (CPU): gloo's "
                      "timeout, monitored_barrier and the flight recorder's dump are what it proves; "
                      "the NCCL paths are in its NOTES.md, untested"),
+    "13_pipeline_3d": (lambda g: ["--device", "cuda"] if g >= 4 else [],
+                       "NCCL with 4 GPUs or more (its one launch of 4 ranks: 7 schedules on pp 2 x "
+                       "FSDP 2, pp 2 x TP 2, HSDP 2 x 2); fewer: gloo on CPU"),
     "14_fault_tolerance": (lambda g: [], "no flag: the lab runs its replica groups on torchft's gloo "
                            "group (CPU), where it plants its failed all-reduce; the lesson's NCCL "
                            "path (a GPU per replica group) is in its NOTES.md, untested"),

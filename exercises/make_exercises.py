@@ -260,6 +260,55 @@ DIFF_EXERCISES = {
         ("--accumulate", ["flags --accumulate (2), --precision (fp32 or bf16), --log-dir; "
                           "main(**vars(parser.parse_args())): the flags are main's parameters"]),
     ]),
+    "13_pipeline_3d": ("10_tensor_parallel/tensor_parallel.py", [
+        ("Lesson 13", GIVEN),
+        ("import os", ["no os: one thread a rank"]),
+        ("import warnings", ["no warnings to silence"]),
+        ("pipelining", ["import pipelining from torch.distributed (PipelineStage, the schedules)"]),
+        ("Replicate, Shard", ["no SP: Replicate alone"]),
+        ("SequenceParallel", ["no SequenceParallel, no checkpoint, no DataLoader: batches by hand"]),
+        ("class Attention", ["no make_dataset: make_batches, below, makes lesson 10's sequences"]),
+        ("self.heads, self.head_dim", GIVEN),
+        ("class Block", ["Block(dim, heads): no activation checkpointing"]),
+        ("self.attn", SAME),
+        ("def forward(self, x):  # checkpointed", ["forward(x) runs the layers directly"]),
+        ("def make_model", ["make_model(vocab=32, dim=32, heads=4, layers=4, seed=0): 4 blocks"]),
+        ("Block(dim, heads", SAME),
+        ("def split_model", [
+            "split_model(model, stages): the blocks shared out evenly, a list of nn.Sequential; "
+            "the embedding joins the first, the last norm and the head the last (one stage: both)",
+            "parallelize_stage(stage, tp_mesh, dp_mesh): lesson 10's TP plan (Replicate between "
+            "layers) on each Block, the embedding RowwiseParallel, the head ColwiseParallel to "
+            "Replicate(), when tp_mesh has more than one rank; then fully_shard each Block and "
+            "the stage over dp_mesh with reshard_after_forward=False (zero-bubble schedules lose "
+            "the blocks' weight gradients otherwise: NOTES.md)"]),
+        ("def parallelize_stage", [
+            "build(mesh, schedule_name, microbatches, device): the schedule class from "
+            "pipelining; two stages a rank for a PipelineScheduleMulti (r and r+p looped, r and "
+            "2p-1-r for a V: ZBV, DualPipeV), else one; split a fresh model, parallelize each "
+            "stage over mesh['tp'] and the data-parallel mesh (mesh['rep', 'shard'] for HSDP, "
+            "else mesh['shard']), a PipelineStage each with the pp group; the schedule with a "
+            "cross-entropy loss_fn; return (schedule, stages)",
+            "train(schedule, stages, batches, say, lr=0.05): SGD over every stage's parameters; "
+            "each batch: zero_grad, schedule.step with x on the first stage's rank, target and a "
+            "losses list on the last's; step; the mean micro-batch loss, printed when say"]),
+        ("def make_batches", [
+            "make_batches(steps, dp=1, d=0, batch_size=16, length=16, vocab=32): lesson 10's "
+            "counting sequences, steps batches; data-parallel rank d's slice (every dp-th row "
+            "from d), contiguous; worker(rank, world_size, port, backend, pp, replicas, tp, "
+            "schedule_name, steps=3, timeout=60)"]),
+        ("torch.cuda.set_device(device)", ["one thread a rank on CPU"]),
+        ("try:", ["a (pp, replicas, dp / replicas, tp) mesh named pp, rep, shard, tp; build with "
+                  "4 micro-batches; this rank's batches (its dp index: rank // tp % dp); train, "
+                  "printing from one rank a stage"]),
+        ("schedule = stages = None", ["release the schedule and stages before destroying"]),
+        ("def main(world_size", ["main(world_size=8, pp=2, tp=2, replicas=1, "
+                                 "schedule='Schedule1F1B'): pp x replicas x tp divides the world, "
+                                 "4 micro-batches a dp rank divide the batch of 16"]),
+        ("print(f\"backend", ["print the mesh and the schedule; spawn with them"]),
+        ("--world-size", ["--world-size defaults to 8; a --pp flag"]),
+        ("--sp", ["--replicas (HSDP) and --schedule flags, no --sp or --act-ckpt"]),
+    ]),
     "12_debugging": ("02_ddp_spawn/ddp_spawn.py", [
         ("Lesson 12", GIVEN),
         ("import faulthandler", ["import faulthandler: a rank's stacks on a signal"]),

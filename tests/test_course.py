@@ -18,7 +18,8 @@ MAIN_LINE = ["00_single_process", "02_ddp_spawn", "04_sampler_checkpoint", "05_t
 BRANCHES_FROM = {"01_dataparallel": "00_single_process", "03_model_parallel": "02_ddp_spawn",
                  "06_collectives": "02_ddp_spawn", "07_fsdp_dcp": "02_ddp_spawn",
                  "08_rpc": "02_ddp_spawn", "09_training_loop": "02_ddp_spawn",
-                 "10_tensor_parallel": "07_fsdp_dcp", "12_debugging": "02_ddp_spawn"}
+                 "10_tensor_parallel": "07_fsdp_dcp", "12_debugging": "02_ddp_spawn",
+                 "13_pipeline_3d": "10_tensor_parallel"}
 # The capstone is the union of several lessons: its README says where each part comes from.
 UNION_OF = {"11_train_gpt": ["04_sampler_checkpoint", "05_torchrun_elastic", "07_fsdp_dcp",
                              "09_training_loop", "10_tensor_parallel"]}

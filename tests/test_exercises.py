@@ -12,7 +12,8 @@ from conftest import REPO, load_script, run_lesson, run_readme_command
 
 MAKER = REPO / "exercises" / "make_exercises.py"
 EXERCISES = ["02_ddp_spawn", "04_sampler_checkpoint", "05_torchrun_elastic", "07_fsdp_dcp",
-             "09_training_loop", "10_tensor_parallel", "11_train_gpt", "12_debugging"]
+             "09_training_loop", "10_tensor_parallel", "11_train_gpt", "12_debugging",
+             "13_pipeline_3d"]
 EXERCISES.append("14_fault_tolerance")  # issue 36
 # A typical mistake per exercise: the solution with these edits, the lab's extra arguments, and
 # what the lab must say. Each edit must match the solution exactly once.
@@ -46,6 +47,9 @@ MISTAKES = {
     "12_debugging": ([("        dump_flight_recorder(folder, rank, backend)\n", "")],
                      ["--part", "hangs"], "PROOF FAILED",
                      "LIKELY CAUSE: no rank wrote its flight recorder when its collective raised"),
+    "13_pipeline_3d": ([("reshard_after_forward=False)", "reshard_after_forward=True)")], [],
+                       "PROOF FAILED", "LIKELY CAUSE: a block resharded after forward under a "
+                       "split backward"),
 }
 MISTAKES["14_fault_tolerance"] = (  # a heal that loads nothing: the replicas end apart
     [('model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])),',

@@ -117,7 +117,8 @@ def test_what_ran_is_read_from_the_labs_own_lines():
                 "06_collectives": ("gloo", "cpu", 2), "07_fsdp_dcp": ("gloo", "cpu", 2),
                 "08_rpc": ("TensorPipe", "cpu", 2), "09_training_loop": ("gloo", "cpu", 2),
                 "10_tensor_parallel": ("gloo", "cpu", 4),
-                "11_train_gpt": (None, None, 2), "12_debugging": ("gloo", "cpu", 2)}
+                "11_train_gpt": (None, None, 2), "12_debugging": ("gloo", "cpu", 2),
+                "13_pipeline_3d": ("gloo", "cpu", 4)}
     expected["14_fault_tolerance"] = ("gloo", "cpu", 3)  # 3 replica groups of one rank
     assert {lab: run_lessons.what_ran(readme_output(lab)) for lab in LABS} == expected
     assert run_lessons.what_ran("claim(s) 1, 2 of 7\n15 runs of main() on 1, 2, 3 and 4 ranks took 5 s\n") \
