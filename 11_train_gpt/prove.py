@@ -19,6 +19,7 @@ The claims, each against the lesson's own main() run unchanged (the lab only wra
 import argparse
 import hashlib
 import inspect
+import io
 import json
 import logging
 import os
@@ -350,13 +351,20 @@ def run_one(name, job, broken, out_dir, rank=0):
 
 
 def torchrun_worker(settings):
-    """Claim 2, one rank of one torchrun attempt: the DDP run, then the FSDP run; rank 1 kills
-    itself (SIGKILL) after step 5 of a run that started from step 0, once per run."""
+    """Claim 2, one rank of one torchrun attempt: the uninterrupted DDP and FSDP runs (an attempt
+    after the first finds them done), then the DDP run, then the FSDP run; rank 1 kills itself
+    (SIGKILL) after step 5 of a run that started from step 0, once per run."""
     rank, attempt = int(os.environ["RANK"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
+    course.dump_stacks_on_signal(course.stacks_of(os.path.join(settings["out_dir"], "stacks"),
+                                                  attempt), rank)  # a hang's report
     use_lesson(settings["lesson"])
     torch.set_num_threads(1)
     for parallel in ("ddp", "fsdp"):
-        # two runs in one process: each needs its own key prefix on torchrun's store
+        # several runs in one process: each needs its own key prefix on torchrun's store
+        lesson.init_distributed = init_with_prefix(f"attempt{attempt}-u-{parallel}")
+        run_one(f"{parallel}-uninterrupted", dict(RESTART, parallel=parallel, out_dir=os.path.join(
+            settings["out_dir"], f"u-{parallel}")), settings["broken"], settings["out_dir"], rank)
+    for parallel in ("ddp", "fsdp"):
         lesson.init_distributed = init_with_prefix(f"attempt{attempt}-{parallel}")
         out = os.path.join(settings["out_dir"], f"killed-{parallel}")
         marker, done = out + ".killed", [0]
@@ -372,7 +380,6 @@ def torchrun_worker(settings):
         job = dict(RESTART, parallel=parallel, out_dir=out)
         run_one(f"killed-{parallel}", job, settings["broken"], settings["out_dir"], rank)
         lesson.train_step = ORIGINAL["train_step"]
-
 
 
 def init_with_prefix(prefix):
@@ -464,6 +471,8 @@ def main(argv=None):
         course.refuse("--break proves the claims it breaks: leave out --claims")
     if args.scaling is not None and (args.scaling < 5 or args.broken or args.claims):
         course.refuse("--scaling STEPS measures, alone: 5 steps or more, no --break or --claims")
+    if os.path.abspath(args.lesson) != os.path.abspath(LESSON):  # a learner's file: its errors
+        os.environ["COURSE_LESSON"] = os.path.abspath(args.lesson)  # are one line (run_lab)
     use_lesson(args.lesson)
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="lab11-")
     os.makedirs(out_dir, exist_ok=True)
@@ -502,8 +511,8 @@ def job(name, out_dir, steps=STEPS, every=STEPS, **settings):
 def model_facts():
     """What the lab measures on make_model's model before any run: whether it has a plan for
     --tp, and whether it is random in training with dropout 0 (dropout the lab cannot set)."""
-    context = inspect.signature(lesson.main).parameters["context"].default
-    seed = inspect.signature(lesson.main).parameters["seed"].default
+    context = course.default_of(lesson.main, "context", "train_gpt.py")
+    seed = course.default_of(lesson.main, "seed", "train_gpt.py")
     model = lesson.make_model(context, 0.0, seed)
     facts = {"tp": hasattr(model, "tensor_parallel"), "random": None}
     try:  # the same two samples, twice, in training mode
@@ -516,14 +525,16 @@ def model_facts():
 
 
 def prove(broken, out_dir, wanted, facts):
-    """Runs what the wanted claims need (with --break: the claims it breaks), then reports."""
+    """Runs what the wanted claims need (with --break: the claims it breaks), then reports. The
+    cheap launches come first, and a claim they already show failing stops the lab there: a
+    mistake is named in seconds, not after every launch."""
     print(f"claim(s) {', '.join(map(str, sorted(wanted)))} of {len(CLAIM)}"
           + (f"; --break {broken}: {BREAKS[broken]}" if broken else ""), flush=True)
-    clock, two, three, four = time.perf_counter(), {}, {}, {}
-    one = on_one = tp_on_one = None
+    clock, runs = time.perf_counter(), {"one": None, "on_one": None, "tp_on_one": None}
     if wanted & {1, 4, 7}:  # first: a file that cannot run as a world of one stops here
-        one = in_this_process("one", job("one", out_dir, batch_size=GLOBAL), broken, out_dir)
-    if wanted & {1, 3, 4, 6}:
+        runs["one"] = in_this_process("one", job("one", out_dir, batch_size=GLOBAL), broken,
+                                      out_dir)
+    if wanted & {1, 3, 4, 6}:  # 2 ranks: claims 1 and 6 whole, claim 4 at 1 and 2 ranks
         jobs = {"ddp": job("ddp", out_dir, batch_size=12),
                 "fsdp": job("fsdp", out_dir, parallel="fsdp", batch_size=12, every=2)}
         if 1 in wanted:
@@ -534,41 +545,69 @@ def prove(broken, out_dir, wanted, facts):
             jobs.update({"ddp-bf16": job("ddp-bf16", out_dir, batch_size=12, precision="bf16"),
                          "fsdp-bf16": job("fsdp-bf16", out_dir, parallel="fsdp", batch_size=12,
                                           precision="bf16")})
-        if 2 in wanted:
-            jobs.update({f"{p}-uninterrupted": dict(RESTART, parallel=p,
-                                                   out_dir=os.path.join(out_dir, f"u-{p}"))
-                         for p in ("ddp", "fsdp")})
-        two = spawn(2, jobs, broken, out_dir)
-    elif 2 in wanted:
-        two = spawn(2, {f"{p}-uninterrupted": dict(RESTART, parallel=p, out_dir=os.path.join(
-            out_dir, f"u-{p}")) for p in ("ddp", "fsdp")}, broken, out_dir)
+        runs.update(spawn(2, jobs, broken, out_dir))
+        if stopped_early(wanted, wanted & {1, 4, 6}, runs, out_dir, facts, clock):
+            return 1
     if 7 in wanted and facts["tp"]:  # FSDP x TP: 2 copies of 12 windows, each on 2 ranks
-        four = spawn(4, {"fsdp-tp": job("fsdp-tp", out_dir, parallel="fsdp", tp=2, batch_size=12,
-                                        every=2),
-                         "tp-dropout": job("tp-dropout", out_dir, parallel="fsdp", tp=2,
-                                           batch_size=12, dropout=0.1)}, broken, out_dir)
+        runs.update(spawn(4, {"fsdp-tp": job("fsdp-tp", out_dir, parallel="fsdp", tp=2,
+                                             batch_size=12, every=2),
+                              "tp-dropout": job("tp-dropout", out_dir, parallel="fsdp", tp=2,
+                                                batch_size=12, dropout=0.1)}, broken, out_dir))
         shutil.copytree(os.path.join(out_dir, "fsdp-tp", "step0000002"),
                         os.path.join(out_dir, "tp-on-1", "step0000002"))
-        tp_on_one = in_this_process("tp-on-1", job("tp-on-1", out_dir, parallel="fsdp",
-                                                   batch_size=GLOBAL), broken, out_dir)
+        runs["tp_on_one"] = in_this_process("tp-on-1", job("tp-on-1", out_dir, parallel="fsdp",
+                                                           batch_size=GLOBAL), broken, out_dir)
     if wanted & {3, 4}:  # the FSDP run's checkpoint of step 2, resumed on 1 and on 3 ranks
         for world in (1, 3):
             shutil.copytree(os.path.join(out_dir, "fsdp", "step0000002"),
                             os.path.join(out_dir, f"fsdp-on-{world}", "step0000002"))
-        three = spawn(3, {"fsdp-on-3": job("fsdp-on-3", out_dir, parallel="fsdp", batch_size=8),
-                          "ddp-3": job("ddp-3", out_dir, batch_size=8)}, broken, out_dir)
-        on_one = in_this_process("fsdp-on-1", job("fsdp-on-1", out_dir, parallel="fsdp",
-                                                  batch_size=GLOBAL), broken, out_dir)
-    ones = sum(r is not None for r in (one, on_one, tp_on_one))
-    worlds = [str(w) for w, runs in ((1, ones), (2, len(two)), (3, len(three)), (4, len(four)))
-              if runs]
-    print(f"{ones + len(two) + len(three) + len(four)} runs of main() on "
-          f"{' and '.join([', '.join(worlds[:-1]), worlds[-1]] if len(worlds) > 1 else worlds)} "
-          f"rank{'' if worlds == ['1'] else 's'} took {time.perf_counter() - clock:.1f} s on "
-          f"{course.hardware()}", flush=True)
-    killed = restart(broken, out_dir) if wanted & {2, 5} else None
-    runs = dict(two, **three, **four, one=one, on_one=on_one, tp_on_one=tp_on_one)
+        runs.update(spawn(3, {"fsdp-on-3": job("fsdp-on-3", out_dir, parallel="fsdp",
+                                               batch_size=8),
+                              "ddp-3": job("ddp-3", out_dir, batch_size=8)}, broken, out_dir))
+        runs["on_one"] = in_this_process("fsdp-on-1", job("fsdp-on-1", out_dir, parallel="fsdp",
+                                                          batch_size=GLOBAL), broken, out_dir)
+    if wanted & {2, 5} and stopped_early(wanted, wanted - {2, 5}, runs, out_dir, facts, clock):
+        return 1
+    tell_runs(runs, clock)
+    killed = None
+    if wanted & {2, 5}:
+        code, killed_runs, uninterrupted = restart(broken, out_dir)
+        runs.update(uninterrupted)
+        killed = code, killed_runs
     return report(wanted, runs, killed, out_dir, facts)
+
+
+def tell_runs(runs, clock):
+    """One line: how many runs of main() on which world sizes, and how long they took."""
+    worlds = sorted({1 if name in ("one", "on_one", "tp_on_one") else WORLD_OF.get(name, 2)
+                     for name, run in runs.items() if run})
+    if not worlds:
+        return
+    count = sum(bool(run) for run in runs.values())
+    sizes = ([", ".join(map(str, worlds[:-1])), str(worlds[-1])] if len(worlds) > 1 else
+             [str(worlds[0])])
+    print(f"{count} runs of main() on {' and '.join(sizes)} rank"
+          f"{'' if worlds == [1] else 's'} took {time.perf_counter() - clock:.1f} s on "
+          f"{course.hardware()}", flush=True)
+
+
+WORLD_OF = {"fsdp-tp": 4, "tp-dropout": 4, "fsdp-on-3": 3, "ddp-3": 3}
+
+
+def stopped_early(wanted, checked, runs, out_dir, facts, clock):
+    """After a launch: the claims its runs can already judge, judged quietly. If one fails, the
+    lab reports them (and skips the costlier launches: the mistake is what to fix first)."""
+    if not checked or checked == wanted:
+        return False
+    with redirect_stdout(io.StringIO()) as judged:
+        failed = report(checked, runs, None, out_dir, facts)
+    if not failed:
+        return False
+    tell_runs(runs, clock)
+    print(f"claim(s) {', '.join(map(str, sorted(wanted - checked)))} not run: claim(s) already "
+          f"fail, and their cause is what to fix first", flush=True)
+    print(judged.getvalue(), end="", flush=True)
+    return True
 
 
 def scaling(steps, out_dir):
@@ -622,24 +661,34 @@ def draw_profile(out_dir):
 
 
 def restart(broken, out_dir):
-    """Claim 2: one torchrun launch, --max-restarts 2: the DDP run is killed at step 5 and
-    restarted; then the FSDP run, the same. Returns (exit code, seconds, each run's result)."""
+    """Claim 2: one torchrun launch, --max-restarts 2: the uninterrupted DDP and FSDP runs, then
+    the DDP run killed at step 5 and restarted; then the FSDP run, the same. A hang is named
+    within seconds (course.wait_for_torchrun). Returns (exit code, the killed runs' results, the
+    uninterrupted runs' results)."""
     settings = json.dumps({"out_dir": out_dir, "broken": broken, "lesson": lesson.__file__})
     command = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
                os.path.abspath(__file__), "--as-torchrun-worker", settings]
     clock = time.perf_counter()
     with open(os.path.join(out_dir, "torchrun.err"), "w") as err:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
-            code = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=err, timeout=240,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
-        except subprocess.TimeoutExpired:
-            code = None
+            code, hang = course.wait_for_torchrun(proc, 2, os.path.join(out_dir, "stacks"), 240)
+        except BaseException:  # Ctrl-C: no worker left behind
+            course.stop_torchrun(proc, course.torchrun_workers(proc.pid).get(0, {}))
+            raise
     seconds = time.perf_counter() - clock
-    runs = {p: torch.load(os.path.join(out_dir, f"killed-{p}.pt"), weights_only=True)
-            for p in ("ddp", "fsdp") if os.path.exists(os.path.join(out_dir, f"killed-{p}.pt"))}
-    print(f"torchrun, rank 1 SIGKILLed after step 5 of the DDP run, then of the FSDP run: exit "
-          f"{code} in {seconds:.1f} s", flush=True)
-    return code, runs
+    if hang:
+        print(f"\nRUN FAILED: torchrun's launch: {hang[0]}", flush=True)
+        raise Diagnosed("a SIGKILLed rank resumes bit-exact (the torchrun launch hung)", hang[1])
+    loaded = {name: torch.load(os.path.join(out_dir, f"{name}.pt"), weights_only=True)
+              for name in ("killed-ddp", "killed-fsdp", "ddp-uninterrupted", "fsdp-uninterrupted")
+              if os.path.exists(os.path.join(out_dir, f"{name}.pt"))}
+    print(f"torchrun: the uninterrupted runs, then rank 1 SIGKILLed after step 5 of the DDP run, "
+          f"then of the FSDP run: exit {code} in {seconds:.1f} s"
+          + ("" if code is not None else " (stopped at the time limit)"), flush=True)
+    return (code, {p: loaded[f"killed-{p}"] for p in ("ddp", "fsdp") if f"killed-{p}" in loaded},
+            {n: loaded[n] for n in ("ddp-uninterrupted", "fsdp-uninterrupted") if n in loaded})
 
 
 def report(wanted, runs, killed, out_dir, facts):
@@ -692,10 +741,10 @@ def report(wanted, runs, killed, out_dir, facts):
                        f"step {first_step_apart(first)}; step 1's reductions DDP {syncs['ddp']}, "
                        f"FSDP {syncs['fsdp']}")
     if 2 in wanted:
-        resumed = [gap(kruns[p], runs[f"{p}-uninterrupted"]) if p in kruns else float("inf")
-                   for p in ("ddp", "fsdp")]
+        resumed = [gap(kruns[p], runs[f"{p}-uninterrupted"]) if p in kruns and runs.get(
+            f"{p}-uninterrupted") else float("inf") for p in ("ddp", "fsdp")]
         saves = [(p, new, renamed) for p in ("ddp", "fsdp") for r in (
-            kruns.get(p), runs[f"{p}-uninterrupted"]) if r for _, new, renamed in r["saves"]]
+            kruns.get(p), runs.get(f"{p}-uninterrupted")) if r for _, new, renamed in r["saves"]]
         whole = {p: sum(bool(new) and new == renamed for q, new, renamed in saves if q == p)
                  for p in ("ddp", "fsdp")}
         print(f"2. killed at step 5, resumed from step 3, against uninterrupted (dropout 0.1, 2 "
@@ -707,7 +756,7 @@ def report(wanted, runs, killed, out_dir, facts):
                     if set(new) - set(renamed)]
         passed[2] = code == 0 and max(resumed) == 0.0 and not in_place
         measured.append(f"resumed {max(resumed):.1e}")
-        loads = {p: (kruns[p].get("rng_after_load"), runs[f"{p}-uninterrupted"].get(
+        loads = {p: (kruns[p].get("rng_after_load"), (runs.get(f"{p}-uninterrupted") or {}).get(
             "rng_at_save", {})) for p in kruns}
         lost = [p for p, (load, at_save) in loads.items()
                 if load and load[0] in at_save and load[1] != at_save[load[0]]]
@@ -739,7 +788,8 @@ def report(wanted, runs, killed, out_dir, facts):
         tokens = len(val_set) * torch.as_tensor(val_set[0][1]).numel()  # a window, or a label
         named = {"1 rank": "one", "2 ranks DDP": "ddp", "2 ranks FSDP": "fsdp",
                  "3 ranks DDP": "ddp-3", "3 ranks FSDP": "fsdp-on-3",
-                 **({"4 ranks FSDP x TP 2": "fsdp-tp"} if "fsdp-tp" in runs else {})}
+                 "4 ranks FSDP x TP 2": "fsdp-tp"}
+        named = {k: v for k, v in named.items() if runs.get(v)}  # judged early: 1 and 2 ranks
         counts = {k: runs[v]["counted"] for k, v in named.items()}
         exact = exact_evaluation(one, val_set, context)
         values = {k: runs[v]["evaluated"][-1][0] for k, v in named.items()}
