@@ -32,6 +32,9 @@ PLANTS = {
     "10_tensor_parallel": ("tensor_parallel.py", "parallelize", "make_model", "train"),
     "11_train_gpt": ("train_gpt.py", "micro_batches", "make_model", "evaluate"),
     "12_debugging": ("debugging.py", "trace_step", "make_model", "train"),
+    # replica groups of one rank each: no rank waits in a collective a peer skips (torchft's
+    # quorum and its timeouts stand between replicas)
+    "14_fault_tolerance": ("fault_tolerance.py", "newest_complete", "make_model", None),
 }
 
 CRASH = '''
