@@ -104,6 +104,10 @@ def test_a_missing_function_is_one_line_before_any_rank_starts(lab, tmp_path, mo
     `python NN/prove.py --lesson my_lesson.py` imports it."""
     path = broken_copy(tmp_path, lab, "missing")
     monkeypatch.setenv("COURSE_LESSON", "")  # import_lesson sets it: restored after the test
+    for name in (PLANTS[lab][0][:-3], "model", "checkpoint"):  # the broken file registers as the
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name))  # lesson's module: undone
+        if sys.modules[name] is None:  # after the test, so the next test here imports the real one
+            del sys.modules[name]
     monkeypatch.setattr(sys, "argv", [f"{lab}/prove.py", "--lesson", str(path)])
     monkeypatch.setattr(sys, "path", list(sys.path))
     with pytest.raises(SystemExit) as stopped:
