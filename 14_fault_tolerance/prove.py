@@ -18,10 +18,12 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -122,7 +124,30 @@ class FailedWork(dist._Work):
 def replica_child(replica, address, steps, folder, kill_at, fail_at, broken, crash):
     torch.seed()  # a forked process starts with the server's RNG: reseed, as a fresh one would
     plant(replica, folder, kill_at, fail_at, broken, crash)
-    lesson.train_replica(replica, address, steps, folder)
+    try:
+        lesson.train_replica(replica, address, steps, folder)
+    except BaseException:  # kept for the parent, which names the learner's line from it
+        with open(os.path.join(folder, f"error-replica{replica}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def learner_cause(folder, failed):
+    """A failed replica's error in one line, where it rose in the learner's file (--lesson), or
+    None (a planned --crash-rank, or the course's own lesson)."""
+    if not os.environ.get("COURSE_LESSON"):
+        return None
+    for r in sorted(failed):
+        path = os.path.join(folder, f"error-replica{r}.txt")
+        text = open(path).read() if os.path.exists(path) else ""
+        frames = [(f, int(n), name) for f, n, name in
+                  re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)]
+        mine = course.learner_frame(frames)
+        what = [line for line in text.strip().splitlines() if line and not line.startswith(" ")]
+        if mine and what and "crashed on purpose" not in text:
+            return (f"replica {r} raised {what[-1]} in your file ({mine[0]} line {mine[1]}, in "
+                    f"{mine[2]}): fix it there")
+    return None
 
 
 def run_replicas(folder, args):
@@ -159,10 +184,10 @@ def run_replicas(folder, args):
             if failed or time.monotonic() - start_time > args.timeout:
                 print(f"\nRUN FAILED: replica(s) {sorted(failed)} stopped with an error (above), "
                       "so every replica was stopped", file=sys.stderr, flush=True)
-                raise SystemExit(course.report_cause(
+                raise SystemExit(course.report_cause(learner_cause(folder, failed) or (
                     f"a replica failed (exit codes {failed}) or the run passed {args.timeout} s: "
                     "torchft tolerates a replica that dies, but this lab's replicas must end "
-                    "with 0", sys.stderr) and 1)
+                    "with 0"), sys.stderr) and 1)
             if watch.stalled({r: p.pid for r, p in procs.items() if p.is_alive()}):
                 raise SystemExit("RUN FAILED: every replica idle for 10 s: a hang")
     finally:

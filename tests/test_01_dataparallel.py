@@ -104,7 +104,10 @@ def test_a_crash_in_the_learners_file_is_one_line_naming_it(monkeypatch, tmp_pat
                                                "    return [(copy.deepcopy(module[5])")
     (tmp_path / "my_crash.py").write_text(mine)
     monkeypatch.setenv("COURSE_LESSON", str(tmp_path / "my_crash.py"))
-    monkeypatch.delitem(sys.modules, "dataparallel", raising=False)  # restored after the test
+    # the crash registers as "dataparallel": after the test, the module as it was, or none (a
+    # later test's fresh `prove` fixture on this worker would otherwise import the crash)
+    monkeypatch.setitem(sys.modules, "dataparallel", sys.modules.get("dataparallel"))
+    del sys.modules["dataparallel"]
     lab = load_script(REPO / LAB)
     assert lab.course.run_lab(lab.main, ["--epochs", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

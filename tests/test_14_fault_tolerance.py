@@ -56,7 +56,10 @@ def test_the_commit_anyway_break_fails_its_count():
     result = run_readme_command(f"python {LAB} --break commit-anyway")
     assert result.returncode == 1, result.stderr[-3000:]
     assert "asynchronous checkpoints" not in result.stdout, "a --break runs the part it breaks"
-    assert re.search(r"replica 1 59/60/1", result.stdout), "the discarded step applied"
+    # one optimizer step more than its commits: the discarded step applied (how many steps
+    # replica 1 commits depends on the load: 59, or 58 when it joined a step late)
+    counts = re.search(r"replica 1 (\d+)/(\d+)/1", result.stdout)
+    assert counts and int(counts[2]) == int(counts[1]) + 1, "the discarded step applied"
     assert result.stdout.splitlines()[-1].startswith(
         "LIKELY CAUSE: an optimizer step outside should_commit()")
 
