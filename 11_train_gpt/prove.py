@@ -546,7 +546,8 @@ def prove(broken, out_dir, wanted, facts):
                          "fsdp-bf16": job("fsdp-bf16", out_dir, parallel="fsdp", batch_size=12,
                                           precision="bf16")})
         runs.update(spawn(2, jobs, broken, out_dir))
-        if stopped_early(wanted, wanted & {1, 4, 6}, runs, out_dir, facts, clock):
+        early = wanted & ({1, 4, 6} | ({2} if in_place_saves(runs) else set()))  # 2: its cause
+        if stopped_early(wanted, early, runs, out_dir, facts, clock):  # is seen in any save
             return 1
     if 7 in wanted and facts["tp"]:  # FSDP x TP: 2 copies of 12 windows, each on 2 ranks
         runs.update(spawn(4, {"fsdp-tp": job("fsdp-tp", out_dir, parallel="fsdp", tp=2,
@@ -575,6 +576,13 @@ def prove(broken, out_dir, wanted, facts):
         runs.update(uninterrupted)
         killed = code, killed_runs
     return report(wanted, runs, killed, out_dir, facts)
+
+
+def in_place_saves(runs):
+    """[(run, files)]: the saves that made their files under the final name, not by renaming a
+    whole temporary (a crash mid-write would leave the newest checkpoint damaged)."""
+    return [(name, [n for n in new if n not in renamed]) for name, run in runs.items() if run
+            for _, new, renamed in run.get("saves", []) if set(new) - set(renamed)]
 
 
 def tell_runs(runs, clock):
@@ -747,15 +755,19 @@ def report(wanted, runs, killed, out_dir, facts):
             kruns.get(p), runs.get(f"{p}-uninterrupted")) if r for _, new, renamed in r["saves"]]
         whole = {p: sum(bool(new) and new == renamed for q, new, renamed in saves if q == p)
                  for p in ("ddp", "fsdp")}
-        print(f"2. killed at step 5, resumed from step 3, against uninterrupted (dropout 0.1, 2 "
-              f"micro-batches, an evaluation after the checkpoint): DDP {resumed[0]:.1e}, FSDP "
-              f"{resumed[1]:.1e}; saves that made their files by renaming a whole temporary: "
-              + ", ".join(f"{p.upper()} {whole[p]} of {sum(q == p for q, *_ in saves)}"
-                          for p in ("ddp", "fsdp")))
-        in_place = [(p, [n for n in new if n not in renamed]) for p, new, renamed in saves
-                    if set(new) - set(renamed)]
+        in_place = in_place_saves({**runs, **{f"{p} killed": r for p, r in kruns.items()}})
+        if killed:
+            print(f"2. killed at step 5, resumed from step 3, against uninterrupted (dropout 0.1, "
+                  f"2 micro-batches, an evaluation after the checkpoint): DDP {resumed[0]:.1e}, "
+                  f"FSDP {resumed[1]:.1e}; saves that made their files by renaming a whole "
+                  f"temporary: " + ", ".join(f"{p.upper()} {whole[p]} of "
+                                             f"{sum(q == p for q, *_ in saves)}"
+                                             for p in ("ddp", "fsdp")))
+        else:  # judged before the torchrun launch: the earlier runs' saves already fail it
+            print(f"2. judged from the saves of the runs so far (torchrun's kill not run): "
+                  f"{len(in_place)} run(s) made their checkpoint files in place")
         passed[2] = code == 0 and max(resumed) == 0.0 and not in_place
-        measured.append(f"resumed {max(resumed):.1e}")
+        measured.append(f"resumed {max(resumed):.1e}" if killed else "saves in place")
         loads = {p: (kruns[p].get("rng_after_load"), (runs.get(f"{p}-uninterrupted") or {}).get(
             "rng_at_save", {})) for p in kruns}
         lost = [p for p, (load, at_save) in loads.items()
@@ -765,7 +777,7 @@ def report(wanted, runs, killed, out_dir, facts):
                        f"({' and '.join(p.upper() for p in lost)}), so dropout draws other masks; "
                        f"set each data-parallel rank's back, as "
                        f"{course.lesson_line(CHECKPOINT_PATH, 'torch.set_rng_state(')} does"))
-        made = f"{', '.join(in_place[0][1])} ({in_place[0][0].upper()})" if in_place else ""
+        made = f"{', '.join(in_place[0][1])} (the {in_place[0][0]} run)" if in_place else ""
         causes.append((in_place, f"the checkpoint is written in place: the save made {made} "
                        f"with no os.replace or os.rename, so a crash mid-save damages the newest; "
                        f"write NAME.tmp, then os.replace it, as "

@@ -570,6 +570,12 @@ def test_a_checkpoint_written_in_place_fails_claim_2_with_its_cause(prove, grade
     last = capsys.readouterr().out.splitlines()[-1]
     assert code == 1 and last.startswith("LIKELY CAUSE: the checkpoint is written in place: the "
                                          "save made step0000003-"), last
+    # the lab judges it before torchrun's launch when an earlier run's save already shows it
+    assert {name for name, _ in prove.in_place_saves({"one": kept, "ddp": None})} == {"one"}
+    code = prove.report({2}, {"one": kept}, None, str(tmp_path), {})
+    out = capsys.readouterr().out
+    assert code == 1 and "2. judged from the saves of the runs so far" in out
+    assert out.splitlines()[-1].startswith("LIKELY CAUSE: the checkpoint is written in place")
 
 
 # --- the lesson copied alone, and the command line ----------------------------------------------
