@@ -47,6 +47,7 @@ import torch.distributed.nn.functional as old_functional  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.distributed import _functional_collectives as funcol  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor.parallel import SequenceParallel  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
@@ -65,6 +66,9 @@ BREAKS = {
                      "every activation",
     "old-all-gather": "context parallelism gathers K and V with torch.distributed.nn.functional."
                       "all_gather, whose backward gives wrong gradients on gloo here",
+    "sp-norm-not-reduced": "the plan without its SequenceParallel() entries: each tp rank "
+                           "normalizes its piece of the sequence with plain parameters, whose "
+                           "gradient is never all-reduced over the tp ranks",
 }
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 JOBS = {  # name: (world size, tp, sp, act_ckpt); tp and sp run side by side on ranks 0-1, 2-3
@@ -160,6 +164,10 @@ def measuring(train, kept):
         losses = train(*args, **kwargs)
         kept.update(weights=whole(model), losses=losses, batch_size=loader.batch_size,
                     lr=optimizer.param_groups[0]["lr"])
+        everyone = [None] * dist.get_world_size()  # every rank's whole weights: all alike?
+        dist.all_gather_object(everyone, kept["weights"])
+        kept["ranks_apart"] = {n: max((w[n] - p).abs().max().item() for w in everyone)
+                               for n, p in kept["weights"].items()}
         return losses
     return wrapper
 
@@ -171,6 +179,19 @@ def without_block_inputs(parallelize_module):
     def wrapper(module, mesh, plan):
         if isinstance(plan, dict):
             plan = {k: v for k, v in plan.items() if k not in ("attn", "mlp")}
+        return parallelize_module(module, mesh, plan)
+    return wrapper
+
+
+def without_sequence_parallel(parallelize_module):
+    """--break sp-norm-not-reduced: the plans less their SequenceParallel() entries. The norms'
+    inputs are still pieces of the sequence (the layers before them reduce-scatter), so each tp
+    rank's norm sees its piece alone, with parameters outside DTensor: nothing sums their
+    gradients over the tp ranks, as SequenceParallel's Replicate() parameters make DTensor do."""
+    @functools.wraps(parallelize_module)
+    def wrapper(module, mesh, plan):
+        if isinstance(plan, dict):
+            plan = {k: v for k, v in plan.items() if not isinstance(v, SequenceParallel)}
         return parallelize_module(module, mesh, plan)
     return wrapper
 
@@ -243,6 +264,8 @@ def lab_worker(rank, ports, backend, epochs, broken, crash_rank, timeout, out_di
         lesson.parallelize_module = without_block_inputs(lesson.parallelize_module)
     if "no-checkpoint" in broken:
         lesson.checkpoint = lambda function, *args, **kwargs: function(*args)
+    if "sp-norm-not-reduced" in broken:
+        lesson.parallelize_module = without_sequence_parallel(lesson.parallelize_module)
     if rank == crash_rank:
         course.crash_at_step(rank, 2)
     train, quiet = lesson.train, contextlib.redirect_stdout(io.StringIO())  # jobs side by side
@@ -449,6 +472,20 @@ def likely_cause(runs, worst, one, cp, kept_bytes):
                 f"each of q, k and v gathers (SP) or all-reduces (TP) its input itself: "
                 f"{said} collectives against the formula; keep the plan's entries that prepare the "
                 f"input of attention and of the MLP once ({attn_line})")
+    apart = {n: gap for n, gap in runs["sp"]["ranks_apart"].items() if gap > TOLERANCE}
+    if apart and worst["sp"] > TOLERANCE and worst["tp"] <= TOLERANCE:
+        name = max(apart, key=apart.get)
+        fewer = -extra.get("sp step", 0)
+        kinds = " and ".join(sorted({type(one.get_submodule(n.rpartition(".")[0])).__name__
+                                     for n in apart}))
+        measured.append(f"the sp run's ranks hold {len(apart)} whole parameter(s) apart")
+        causes.append(
+            f"a sequence-parallel norm's gradient is never all-reduced over the tp ranks: the sp "
+            f"run's 2 ranks end with {len(apart)} whole parameter(s) of {kinds} apart, the largest "
+            f"{name} ({apart[name]:.1e}), where every rank must hold the same; its optimizer step "
+            f"runs {fewer} all-reduce(s) fewer than the formula (the norms' gradients made "
+            f"whole); the tp run equals one process; give the norms SequenceParallel() in the "
+            f"plan ({where('SequenceParallel(), ')})")
     on, off = kept_bytes
     if not on < off / 2:
         measured.append(f"activations kept {on:,} B with checkpointing, {off:,} B without")

@@ -97,19 +97,23 @@ def test_gather_per_linear_fails_the_collectives_only_and_the_weights_still_equa
         "(tensor_parallel.py line 70)")
 
 
-def test_the_three_other_breaks_each_fail_their_own_claim_in_one_launch():
-    """Each break touches one claim (the lab runs them together to save launches): the sampler
-    only the 2-D run, checkpointing only the kept bytes, the old all-gather only the gradients."""
+def test_the_four_other_breaks_each_fail_their_own_claim_in_one_launch():
+    """Each break touches its own claims (the lab runs them together to save launches): the
+    sampler only the 2-D run, checkpointing only the kept bytes, the old all-gather only the
+    gradients, the norms left out of SP the sp runs' weights and sp's optimizer step."""
     result = run_lesson(LAB, "--break", "sampler-defaults", "no-checkpoint", "old-all-gather",
-                        timeout=140)
+                        "sp-norm-not-reduced", timeout=140)
     assert result.returncode == 1, result.stderr[-3000:]
     verdicts = claims(result.stdout)
-    assert verdicts == {"equal": False, "collectives": True, "params": True, "checkpointing": False,
-                        "context": False, "passed": False}
+    assert verdicts == {"equal": False, "collectives": False, "params": True,
+                        "checkpointing": False, "context": False, "passed": False}
     against = {name: number_after("max |dw|", last_line_matching(rf"^{name} +\d ranks, against",
                                                                  result.stdout))
                for name in ("tp", "sp", "2d-sp-ckpt")}
-    assert against["tp"] <= TOLERANCE and against["sp"] <= TOLERANCE and against["2d-sp-ckpt"] > 1e-2
+    assert against["tp"] <= TOLERANCE and against["sp"] > 1e-2 and against["2d-sp-ckpt"] > 1e-2
+    for phase in ("forward", "backward"):  # SP's collectives move the same activations
+        assert "== formula" in last_line_matching(rf"^  sp {phase}", result.stdout)
+    assert "  sp step     none  DIFFERS from formula (10 all_reduce x 128)" in result.stdout
     for name in ("tp", "sp", "2d-sp-ckpt"):  # checkpointing asked for, and nothing saved
         line = last_line_matching(rf"^{name} +per rank", result.stdout).replace(",", "")
         assert number_after("with checkpointing", line) == number_after("for backward", line)
@@ -121,6 +125,9 @@ def test_the_three_other_breaks_each_fail_their_own_claim_in_one_launch():
                              "ones, where 2 (one per TP group) are right; "), causes
     assert "; and activation checkpointing did not run: " in causes
     assert "; and the all-gather's backward gives wrong gradients: " in causes
+    assert ("; and a sequence-parallel norm's gradient is never all-reduced over the tp ranks: "
+            "the sp run's 2 ranks end with 10 whole parameter(s) of LayerNorm apart") in causes
+    assert "runs 10 all-reduce(s) fewer than the formula" in causes
 
 
 def test_a_crashed_rank_stops_the_launch_with_its_own_error(lesson):
