@@ -417,8 +417,8 @@ E_STEPS, JOIN, LEAVE = 60, 20, 35  # node B joins after step JOIN - 1, dies afte
 # The c10d rendezvous's keys (torch's dynamic_rendezvous.create_handler and
 # c10d_rendezvous_backend), whole seconds: a round with fewer than --nnodes' max starts after 1 s
 # (default 30); a node whose heartbeat (every 1 s, default 5) is 5 s old is dead (default 5 s x 3:
-# 15; 1 s x 2 split a loaded run in two worlds of 1, NOTES.md); a store read waits 10 s (default
-# 60): what ends --break shared-store
+# 15; x 2 is too few: a heartbeat can be 2 intervals old, and node A removed itself from its own
+# round, NOTES.md); a store read waits 10 s (default 60): what ends --break shared-store
 RDZV = {"last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 5,
         "read_timeout": 10}
 RDZV_CONF = ",".join(f"{key}={value}" for key, value in RDZV.items())
