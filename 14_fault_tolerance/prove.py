@@ -247,7 +247,8 @@ def prove_torchft(folder, args):
     first_life = [rows for life, rows in per_life.items() if life.startswith("2-")][0]
     kill_step = first_life[-1]["step"] + 1  # the step it died in, never logged
     usual = sorted(row["seconds"] for row in logs[0][1:])[len(logs[0]) // 2]
-    stall = max(row["seconds"] for row in logs[0][kill_step:kill_step + 3]) - PACE
+    stall = max(row["seconds"] for row in logs[0]  # by step: replica 0 may join late, at step 2
+                if kill_step <= row["step"] < kill_step + 3) - PACE
     returning = [rows for life, rows in per_life.items() if life.startswith("2-")][-1]
     print(f"\n{REPLICAS} replica groups, {args.steps} steps, {seconds:.1f} s; replica 2 "
           f"{course.hard_killed()} after its backward at step {kill_step} "
