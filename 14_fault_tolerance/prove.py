@@ -502,34 +502,34 @@ def run_elastic(folder, args):
             rows = [json.loads(line) for line in open(log)] if os.path.exists(log) else []
             if "B" not in nodes and os.path.exists(os.path.join(folder, "join")):
                 nodes["B"], at["join"] = start_node("B", folder, port, shared)[0], now
-                print(f"  {now:.1f} s: node A alone trained steps 0-{JOIN - 1} (world size 1) "
-                      "and waits; node B's agent started", flush=True)
+                print(f"  {now:.1f} s: node A alone did steps 0-{JOIN - 1} and waits; node B's "
+                      "agent starts", flush=True)
             if "join" in at and "joined" not in at and any(r["world_size"] == 2 for r in rows):
                 at["joined"] = now
                 seen_b = said(folder, "A", "Detected 1 new nodes")
-                print(f"  {now:.1f} s: world size 2 from step {JOIN}: {now - at['join']:.1f} s "
-                      "after node B's start (A's agent " + ("saw it waiting, stopped its worker"
-                                                            if seen_b else "never said it saw B")
-                      + "; a rendezvous of 2, 2 workers started)", flush=True)
+                print(f"  {now:.1f} s: world size 2 from step {JOIN}, {now - at['join']:.1f} s "
+                      "after B's start (A's agent " + ("saw B waiting and stopped its worker"
+                                                       if seen_b else "never said it saw B")
+                      + "; a round of 2)", flush=True)
             if "leave" not in at and os.path.exists(os.path.join(folder, "leave")):
                 workers = {r: p for ranks in course.torchrun_workers(nodes["B"].pid).values()
                            for r, p in ranks.items()}
                 course.stop_torchrun(nodes["B"], workers)  # the agent AND its worker: SIGKILL
                 open(os.path.join(folder, "go"), "w").close()
                 at["leave"] = now
-                print(f"  {now:.1f} s: node B {course.hard_killed()} after step {LEAVE - 1} "
-                      f"(its agent and its worker, pid {nodes['B'].pid} and "
+                print(f"  {now:.1f} s: node B {course.hard_killed()} after step {LEAVE - 1}: its "
+                      f"agent and its worker (pid {nodes['B'].pid}, "
                       f"{', '.join(map(str, workers.values())) or 'none'})", flush=True)
             if "leave" in at and "alone" not in at and rows and rows[-1]["step"] >= LEAVE:
                 at["alone"] = now
                 peer = any(said(folder, "A", f"Connection {how} by peer")  # 2.15's gloo: either;
                            for how in ("closed", "reset"))  # 2.11's: reset
                 restart = said(folder, "A", "Worker group FAILED. 1/1 attempts left")
-                print(f"  {now:.1f} s: world size {rows[-1]['world_size']} from step {LEAVE}: "
+                print(f"  {now:.1f} s: world size {rows[-1]['world_size']} from step {LEAVE}, "
                       f"{now - at['leave']:.1f} s after the kill (A's worker: "
-                      + ("its all-reduce failed, the peer gone" if peer else "no error")
-                      + "; its agent: " + ("restart 1 of 1" if restart else "no restart")
-                      + f", a round of 1 once B's heartbeat was {DEAD} s old)", flush=True)
+                      + ("all-reduce failed" if peer else "no error") + "; its agent: "
+                      + ("restart 1 of 1" if restart else "no restart")
+                      + f"; a round of 1 once B's heartbeat was {DEAD} s old)", flush=True)
     finally:
         for proc in nodes.values():
             if proc.poll() is None:
@@ -606,7 +606,7 @@ def prove_elastic(folder, args):
           + ("0.." + str(E_STEPS - 1) + " each once" if once else
              f"not 0..{E_STEPS - 1} once: {steps[:8]}..."), flush=True)
     print(f"  final weights against one process on the same {E_STEPS} global batches (float64): "
-          f"{apart:.1e}; the logged losses against its losses: {loss_gap:.1e}", flush=True)
+          f"{apart:.1e}; logged losses: {loss_gap:.1e}", flush=True)
     tolerance = 1e-9
     sizes = [n for n, _ in runs]
     ok = (code == 0 and once and not left and apart <= tolerance and loss_gap <= tolerance
@@ -632,10 +632,10 @@ def prove_elastic(folder, args):
         (bool(left), f"{len(left)} process(es) left running: a lost node is its agent AND its "
          "workers (torchrun starts them in their own session)"),
     ]
-    return ok, ("elastic torchrun: a node joins, then is lost; every step once, one process's "
-                "weights"), (f"world size per step {per_step}, each step once: {once}, weights "
-                             f"{apart:.1e}, losses {loss_gap:.1e}, left running {len(left)}"), \
-        causes, f"{tolerance:g}"
+    claim = "elastic torchrun: a node joins, then is lost; each step once, one process's weights"
+    return ok, claim, \
+        (f"world size per step {per_step}, each step once: {once}, weights {apart:.1e}, losses "
+         f"{loss_gap:.1e}, left running {len(left)}"), causes, f"{tolerance:g}"
 
 
 def parse_args(argv):
