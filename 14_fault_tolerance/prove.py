@@ -451,7 +451,8 @@ def elastic_worker(settings):
 
 
 def start_node(name, folder, port, shared_store):
-    """One torchrun agent (a node) for 1 worker, --nnodes=1:2, its output to node{name}.log."""
+    """One torchrun agent (a node) for 1 worker, --nnodes=1:2, its output to node{name}.log (its
+    log folder in the lab's: by default each agent leaves a /tmp/torchelastic_* behind)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", LOGLEVEL="INFO")
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     if not shared_store:
@@ -459,8 +460,8 @@ def start_node(name, folder, port, shared_store):
     settings = {"folder": folder, "global_batch": 32, "lr": 0.05, "timeout": 60}
     command = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lab14",
-               f"--rdzv-conf={RDZV_CONF}", os.path.abspath(__file__), "--as-elastic-worker",
-               json.dumps(settings)]
+               f"--rdzv-conf={RDZV_CONF}", f"--log-dir={os.path.join(folder, 'torchelastic')}",
+               os.path.abspath(__file__), "--as-elastic-worker", json.dumps(settings)]
     with open(os.path.join(folder, f"node{name}.log"), "w") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), settings
 
