@@ -1,10 +1,12 @@
 """The lab of lesson 14: kills a replica group with a real SIGKILL while the others train
-(torchft), fails an all-reduce from inside, and checkpoints with dcp.async_save while training.
+(torchft), fails an all-reduce from inside, checkpoints with dcp.async_save while training, and
+runs elastic.py under two torchrun agents (--nnodes=1:2) while a node joins, then is lost.
 
     python 14_fault_tolerance/prove.py                          # every claim, real kills
     python 14_fault_tolerance/prove.py --break commit-anyway    # the discarded step applied: FAILS
     python 14_fault_tolerance/prove.py --break no-heal          # no weights from a peer: FAILS
     python 14_fault_tolerance/prove.py --break load-newest      # loads a half-written save: FAILS
+    python 14_fault_tolerance/prove.py --break shared-store     # the join deadlocks 10 s: FAILS
     python 14_fault_tolerance/prove.py --crash-rank 1           # replica 1 raises: the run stops
 
 torchft: 3 replica groups (one rank each) and the lesson's Lighthouse in this process. Replica 2
@@ -13,6 +15,9 @@ the lab starts it again at once, as a cluster's scheduler would. Replica 1's all
 from inside at step --kill-step + 10 (torchft's FakeProcessGroupWrapper, as its own tests do).
 Checkpoints: 2 ranks, DDP on gloo, a model of 2 M parameters; rank 0 times save_async against
 dcp.save, compares the checkpoint with the weights at the call, then dies with a save in flight.
+Elastic torchrun: node A's agent alone; node B's agent once A has trained 20 steps; B's agent and
+its worker SIGKILLed after step 34; A ends alone. Its workers run elastic.main() in float64 (this
+file, --as-elastic-worker), compared with one process on the same global batches.
 """
 import argparse
 import json
@@ -20,6 +25,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,14 +37,19 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust half logs every quorum at INFO
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 import course  # noqa: E402
-lesson = course.import_lesson("fault_tolerance", needs=(  # or the file given with --lesson PATH
-    "start_lighthouse", "make_model", "batch", "train_replica", "save_async", "newest_complete"))
+import elastic  # noqa: E402  the second lesson (elastic torchrun), the lab's third claim
+# A rank of the elastic run (torchrun starts this file with --as-elastic-worker) needs neither DCP
+# nor torchft: each of its 4 starts takes 1.6 s less (measured on 2 loaded cores)
+if "--as-elastic-worker" not in sys.argv:
+    import torch.distributed.checkpoint as dcp  # noqa: E402
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+    lesson = course.import_lesson("fault_tolerance", needs=(  # or the file given with --lesson
+        "start_lighthouse", "make_model", "batch", "train_replica", "save_async",
+        "newest_complete"))
 
 LESSON_FILE = "14_fault_tolerance/fault_tolerance.py"
 REPLICAS, JOIN_MS = 3, 1000
@@ -50,6 +61,9 @@ BREAKS = {
                "weights",
     "load-newest": "the resume loads the newest checkpoint folder, not the newest complete one "
                    "(with DCP's .metadata)",
+    "shared-store": "the elastic run without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torchrun's "
+                    "agents share their rendezvous store with the workers, and node B's join "
+                    "deadlocks",
 }
 
 
@@ -233,7 +247,8 @@ def prove_torchft(folder, args):
     first_life = [rows for life, rows in per_life.items() if life.startswith("2-")][0]
     kill_step = first_life[-1]["step"] + 1  # the step it died in, never logged
     usual = sorted(row["seconds"] for row in logs[0][1:])[len(logs[0]) // 2]
-    stall = max(row["seconds"] for row in logs[0][kill_step:kill_step + 3]) - PACE
+    stall = max(row["seconds"] for row in logs[0]  # by step: replica 0 may join late, at step 2
+                if kill_step <= row["step"] < kill_step + 3) - PACE
     returning = [rows for life, rows in per_life.items() if life.startswith("2-")][-1]
     print(f"\n{REPLICAS} replica groups, {args.steps} steps, {seconds:.1f} s; replica 2 "
           f"{course.hard_killed()} after its backward at step {kill_step} "
@@ -396,6 +411,234 @@ def prove_checkpoints(folder, args):
                                            f"{resumed}"), causes, "0.0"
 
 
+# --- elastic torchrun: two agents on this machine, a node joins then leaves ---------------------
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # = the `torchrun` console script
+E_STEPS, JOIN, LEAVE = 60, 20, 35  # node B joins after step JOIN - 1, dies after LEAVE - 1
+# The c10d rendezvous's keys (torch's dynamic_rendezvous.create_handler and
+# c10d_rendezvous_backend), whole seconds: a round with fewer than --nnodes' max starts after 1 s
+# (default 30); a node whose heartbeat (every 1 s, default 5) is 5 s old is dead (default 5 s x 3:
+# 15; x 2 is too few: a heartbeat can be 2 intervals old, and node A removed itself from its own
+# round, NOTES.md); a store read waits 10 s (default 60): what ends --break shared-store
+RDZV = {"last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 5,
+        "read_timeout": 10}
+RDZV_CONF = ",".join(f"{key}={value}" for key, value in RDZV.items())
+DEAD = RDZV["keep_alive_interval"] * RDZV["keep_alive_max_attempt"]  # seconds
+
+
+def elastic_worker(settings):
+    """Under torchrun, one rank: elastic.main() unchanged, in float64 (the lab compares it with
+    one process), pausing after the step where the lab changes the membership: on world size 1
+    after step JOIN - 1 until its agent stops it (node B joins meanwhile); on world size 2 after
+    step LEAVE - 1 until the lab has SIGKILLed node B."""
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    folder, log_step = settings["folder"], elastic.log_step
+    deadline = time.monotonic() + settings["timeout"]
+
+    def log_and_pause(path, row, resumed=False):
+        log_step(path, row, resumed)
+        done, world = row["step"] + 1, dist.get_world_size()
+        for marker, (size, step), until in (("join", (1, JOIN), None), ("leave", (2, LEAVE), "go")):
+            if not resumed and (world, done) == (size, step):
+                open(os.path.join(folder, marker), "w").close()  # the lab acts on it
+                while time.monotonic() < deadline and not (
+                        until and os.path.exists(os.path.join(folder, until))):
+                    time.sleep(0.02)
+    elastic.log_step = log_and_pause
+    elastic.main(E_STEPS, settings["global_batch"], settings["lr"],
+                 os.path.join(folder, "ckpt"), settings["timeout"])
+
+
+def start_node(name, folder, port, shared_store):
+    """One torchrun agent (a node) for 1 worker, --nnodes=1:2, its output to node{name}.log (its
+    log folder in the lab's: by default each agent leaves a /tmp/torchelastic_* behind)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", LOGLEVEL="INFO")
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    if not shared_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    settings = {"folder": folder, "global_batch": 32, "lr": 0.05, "timeout": 60}
+    command = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lab14",
+               f"--rdzv-conf={RDZV_CONF}", f"--log-dir={os.path.join(folder, 'torchelastic')}",
+               os.path.abspath(__file__), "--as-elastic-worker", json.dumps(settings)]
+    with open(os.path.join(folder, f"node{name}.log"), "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), settings
+
+
+def said(folder, node, text):
+    """Whether node's log (its agent's lines and its workers') holds `text`."""
+    path = os.path.join(folder, f"node{node}.log")
+    return os.path.exists(path) and text in open(path, errors="replace").read()
+
+
+def alive(pid):
+    """Whether a process runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def run_elastic(folder, args):
+    """Node A's agent; node B's when A pauses at step JOIN; B's agent and worker SIGKILLed when
+    the world of 2 pauses at step LEAVE. Returns (A's exit code, the rows of the lesson's log,
+    {event: seconds}, the pids seen, the settings); progress lines as it goes."""
+    shared, port, start = args.broken == "shared-store", course.find_free_port(), time.monotonic()
+    log, nodes, seen, at = os.path.join(folder, "ckpt", "steps.jsonl"), {}, set(), {}
+    rows = []
+    try:
+        nodes["A"], settings = start_node("A", folder, port, shared)
+        print(f"\nelastic torchrun: node A's agent started: --nnodes=1:2 --nproc-per-node=1 "
+              f"--max-restarts=1 --rdzv-backend=c10d, --rdzv-conf={RDZV_CONF}; "
+              f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE={'unset' if shared else '1'}", flush=True)
+        while any(p.poll() is None for p in nodes.values()) and \
+                time.monotonic() - start < args.timeout:
+            time.sleep(0.05)
+            now = time.monotonic() - start
+            for proc in nodes.values():
+                seen |= {proc.pid} | {p for ranks in course.torchrun_workers(proc.pid).values()
+                                      for p in ranks.values()}
+            rows = [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+            if "B" not in nodes and os.path.exists(os.path.join(folder, "join")):
+                nodes["B"], at["join"] = start_node("B", folder, port, shared)[0], now
+                print(f"  {now:.1f} s: node A alone did steps 0-{JOIN - 1} and waits; node B's "
+                      "agent starts", flush=True)
+            if "join" in at and "joined" not in at and any(r["world_size"] == 2 for r in rows):
+                at["joined"] = now
+                seen_b = said(folder, "A", "Detected 1 new nodes")
+                print(f"  {now:.1f} s: world size 2 from step {JOIN}, {now - at['join']:.1f} s "
+                      "after B's start (A's agent " + ("saw B waiting and stopped its worker"
+                                                       if seen_b else "never said it saw B")
+                      + "; a round of 2)", flush=True)
+            if "leave" not in at and os.path.exists(os.path.join(folder, "leave")):
+                workers = {r: p for ranks in course.torchrun_workers(nodes["B"].pid).values()
+                           for r, p in ranks.items()}
+                course.stop_torchrun(nodes["B"], workers)  # the agent AND its worker: SIGKILL
+                open(os.path.join(folder, "go"), "w").close()
+                at["leave"] = now
+                print(f"  {now:.1f} s: node B {course.hard_killed()} after step {LEAVE - 1}: its "
+                      f"agent and its worker (pid {nodes['B'].pid}, "
+                      f"{', '.join(map(str, workers.values())) or 'none'})", flush=True)
+            if "leave" in at and "alone" not in at and rows and rows[-1]["step"] >= LEAVE:
+                at["alone"] = now
+                peer = any(said(folder, "A", f"Connection {how} by peer")  # 2.15's gloo: either;
+                           for how in ("closed", "reset"))  # 2.11's: reset
+                restart = said(folder, "A", "Worker group FAILED. 1/1 attempts left")
+                print(f"  {now:.1f} s: world size {rows[-1]['world_size']} from step {LEAVE}, "
+                      f"{now - at['leave']:.1f} s after the kill (A's worker: "
+                      + ("all-reduce failed" if peer else "no error") + "; its agent: "
+                      + ("restart 1 of 1" if restart else "no restart")
+                      + f"; a round of 1 once B's heartbeat was {DEAD} s old)", flush=True)
+    finally:
+        for proc in nodes.values():
+            if proc.poll() is None:
+                course.stop_torchrun(proc, {p: p for ranks in course.torchrun_workers(
+                    proc.pid).values() for p in ranks.values()})
+    at["end"] = time.monotonic() - start
+    rows = [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+    return nodes["A"].returncode, rows, at, seen, settings
+
+
+def one_process(steps, global_batch, lr):
+    """The reference: one process, no DDP, the same global batches, float64; (weights, losses)."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        dataset, model = elastic.make_dataset(), elastic.make_model()
+        sgd, losses = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), []
+        for step in range(steps):
+            x, y = dataset[elastic.step_windows(len(dataset), step, global_batch, seed=0)]
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            sgd.zero_grad()
+            loss.backward()
+            sgd.step()
+            losses.append(loss.item())
+        return model.state_dict(), losses
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def agent_waits(folder):
+    """{node: (the keys it waited for, where)}: an agent's store timeout, read in the traceback
+    its log ends with: the keys' names and its innermost frame in torch."""
+    found = {}
+    for name in ("A", "B"):
+        path = os.path.join(folder, f"node{name}.log")
+        text = open(path, errors="replace").read() if os.path.exists(path) else ""
+        error = re.search(r"^\S*DistStoreError: wait timeout.*keys: (.*)$", text, re.M)
+        frames = [(path.split("/", 1)[1], n, fn) for path, n, fn in re.findall(
+            r'File "[^"]*/torch/(distributed/[^"]+)", line (\d+), in (\w+)', text)
+            if fn != "wrapper"]
+        if error and frames:
+            keys = sorted({re.sub(r"^/torch\.rendezvous\.[^/]+/(torchelastic/)?|/\d+$", "", k)
+                           for k in error[1].split(", ")})
+            found[name] = (" and ".join(keys), "{} line {} ({})".format(*frames[-1]))
+    return found
+
+
+ELASTIC_FILE = "14_fault_tolerance/elastic.py"
+
+
+def prove_elastic(folder, args):
+    os.makedirs(os.path.join(folder, "ckpt"))
+    code, rows, at, seen, settings = run_elastic(folder, args)
+    left = sorted(pid for pid in seen if alive(pid))
+    runs = []
+    for row in rows:
+        if runs and runs[-1][0] == row["world_size"]:
+            runs[-1][1] += 1
+        else:
+            runs.append([row["world_size"], 1])
+    steps = [row["step"] for row in rows]
+    once = steps == list(range(E_STEPS))
+    per_step = ", ".join(f"{n} x {count}" for n, count in runs) or "none"
+    reference, losses = one_process(E_STEPS, settings["global_batch"], settings["lr"])
+    newest = elastic.newest_checkpoint(os.path.join(folder, "ckpt"))
+    final = torch.load(newest, weights_only=True) if newest else {"step": 0}
+    apart = course.max_abs_diff(final["model"], reference) if final["step"] == E_STEPS \
+        else float("inf")
+    loss_gap = max((abs(r["loss"] - losses[r["step"]]) for r in rows
+                    if r["step"] < E_STEPS), default=float("inf"))
+    print(f"  {at['end']:.1f} s: node A's agent exit code {code}; processes left running: "
+          f"{len(left)}", flush=True)
+    print(f"  world size per step: {per_step}; steps logged: {len(steps)}, "
+          + ("0.." + str(E_STEPS - 1) + " each once" if once else
+             f"not 0..{E_STEPS - 1} once: {steps[:8]}..."), flush=True)
+    print(f"  final weights against one process on the same {E_STEPS} global batches (float64): "
+          f"{apart:.1e}; logged losses: {loss_gap:.1e}", flush=True)
+    tolerance = 1e-9
+    sizes = [n for n, _ in runs]
+    ok = (code == 0 and once and not left and apart <= tolerance and loss_gap <= tolerance
+          and sizes == [1, 2, 1])
+    waits = agent_waits(folder)
+    for name, (keys, where) in waits.items():
+        print(f"  node {name}'s agent raised DistStoreError: it waited {RDZV['read_timeout']} s "
+              f"for {keys} in {where}", flush=True)
+    (a_keys, a_where), (b_keys, b_where) = waits.get("A", ("?", "?")), waits.get("B", ("?", "?"))
+    causes = [
+        (2 not in sizes and set(waits) == {"A", "B"},
+         f"node B joined and the two agents waited for each other: A for {a_keys} in {a_where}, "
+         f"B for {b_keys} in {b_where}, until the store's read_timeout; with the store shared "
+         "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset) A, rank 0 again, keeps round 1's address "
+         "and never writes it for round 2; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every "
+         f"agent ({course.lesson_line(ELASTIC_FILE, 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1')})"),
+        (not once, "a step logged twice or never: the log's line is written once the step's "
+         "checkpoint is on disk, and on resume only if it is missing "
+         f"({course.lesson_line(ELASTIC_FILE, 'def log_step')})"),
+        (apart > tolerance, "the weights are not one process's on the same global batches: a "
+         "step's samples must not depend on the world size, and the resume must load the "
+         f"optimizer too ({course.lesson_line(ELASTIC_FILE, 'def step_windows')})"),
+        (bool(left), f"{len(left)} process(es) left running: a lost node is its agent AND its "
+         "workers (torchrun starts them in their own session)"),
+    ]
+    claim = "elastic torchrun: a node joins, then is lost; each step once, one process's weights"
+    return ok, claim, \
+        (f"world size per step {per_step}, each step once: {once}, weights {apart:.1e}, losses "
+         f"{loss_gap:.1e}, left running {len(left)}"), causes, f"{tolerance:g}"
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     course.add_lesson_flag(parser, "fault_tolerance")
@@ -407,7 +650,10 @@ def parse_args(argv):
                         help="the step whose backward replica 2 dies after (default 10)")
     parser.add_argument("--timeout", type=float, default=240,
                         help="seconds before the lab gives up on the run (default 240)")
+    parser.add_argument("--as-elastic-worker", metavar="SETTINGS", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.as_elastic_worker:
+        return args
     course.refuse_bad_crash_rank(args.crash_rank, REPLICAS, args.steps)
     if not 1 <= args.kill_step or args.kill_step + 12 > args.steps:
         course.refuse(f"--kill-step must be from 1 to --steps - 12 ({args.steps - 12}): the "
@@ -417,16 +663,26 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    print(f"backend: gloo (torchft's ProcessGroupGloo on CPU, where the lab plants its failure), "
-          f"{REPLICAS} replica(s) of 1 rank each"
+    if args.as_elastic_worker:  # under torchrun: one rank of the elastic run
+        elastic_worker(json.loads(args.as_elastic_worker))
+        return 0
+    print(("backend: gloo (torchft's ProcessGroupGloo on CPU, where the lab plants its failure), "
+           f"{REPLICAS} replica(s) of 1 rank each" if args.broken != "shared-store" else
+           "backend: gloo (CPU: the elastic run's 2 nodes share this machine), 1 rank a node")
           + (f"; --break {args.broken}: {BREAKS[args.broken]}" if args.broken else ""), flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="prove14_") as folder:
-        if args.broken != "load-newest":  # a --break runs the part it breaks
+        if args.broken not in ("load-newest", "shared-store"):  # a --break runs the part it breaks
             os.makedirs(os.path.join(folder, "ft"))
             results.append(prove_torchft(os.path.join(folder, "ft"), args))
         if args.broken in (None, "load-newest") and args.crash_rank is None:
             results.append(prove_checkpoints(folder, args))
+        if args.broken in (None, "shared-store") and args.crash_rank is None:
+            if os.environ.get("COURSE_LESSON"):  # --lesson grades fault_tolerance.py only
+                print("\nelastic torchrun: not run with --lesson (it grades fault_tolerance.py; "
+                      "the elastic claim runs elastic.py)", flush=True)
+            else:
+                results.append(prove_elastic(os.path.join(folder, "elastic"), args))
     passed = all(r[0] for r in results)
     code = course.report_proof(passed, "; ".join(r[1] for r in results),
                                "; ".join(r[2] for r in results), "; ".join(r[4] for r in results))

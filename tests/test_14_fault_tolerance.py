@@ -5,9 +5,11 @@ the weights at the call while a save cut short by a death is never loaded.
 
 Command-line runs are what a user sees (the lab's proof, two --breaks, a crashed replica, the
 lesson copied alone); the pieces (the Lighthouse, the resume's choice, the batches) in-process."""
+import json
 import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from conftest import (REPO, assert_crashed_rank_stops_the_run, assert_help_in_pr
 
 LAB = "14_fault_tolerance/prove.py"
 LESSON = "14_fault_tolerance/fault_tolerance.py"
+ELASTIC = "14_fault_tolerance/elastic.py"
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -73,6 +76,42 @@ def test_the_load_newest_break_loads_a_half_written_checkpoint():
         "LIKELY CAUSE: the resume loaded a checkpoint that was never finished")
 
 
+def test_the_no_heal_break_leaves_the_replicas_apart():
+    result = run_readme_command(f"python {LAB} --break no-heal")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "asynchronous checkpoints" not in result.stdout, "a --break runs the part it breaks"
+    apart = float(re.search(r"between the 3 replicas at the end: (\S+)", result.stdout)[1])
+    assert apart > 0, "the returning replica kept its own weights"
+    assert result.stdout.splitlines()[-1].startswith(
+        "LIKELY CAUSE: a replica that healed did not load its peer's weights")
+
+
+def test_the_elastic_run_takes_every_step_once_on_any_world_size():
+    out = run_readme_command(f"python {LAB}").stdout  # the default run, which holds this claim
+    runs = re.findall(r"(\d) x (\d+)", re.search(r"^  world size per step: (.*?);", out, re.M)[1])
+    assert [int(n) for n, _ in runs] == [1, 2, 1], "node B joins, then is lost"
+    assert [int(c) for _, c in runs] == [20, 15, 25], "the lab's pauses at steps 20 and 35"
+    assert "steps logged: 60, 0..59 each once" in out
+    apart = float(re.search(r"on the same 60 global batches \(float64\): (\S+);", out)[1])
+    losses = float(re.search(r"\(float64\): \S+; logged losses: (\S+)$", out, re.M)[1])
+    assert apart <= 1e-9 and losses <= 1e-9, "the weights and losses of one process"
+    assert "node A's agent exit code 0; processes left running: 0" in out
+    assert "agent raised DistStoreError" not in out
+
+
+def test_the_shared_store_break_deadlocks_at_the_join():
+    result = run_readme_command(f"python {LAB} --break shared-store")
+    assert result.returncode == 1, result.stderr[-3000:]
+    out = result.stdout
+    assert "replica groups" not in out and "asynchronous checkpoints" not in out
+    assert re.search(r"world size per step: 1 x 20;", out), "node A alone, then nothing"
+    assert "node A's agent raised DistStoreError: it waited 10 s for role_info" in out
+    assert "node B's agent raised DistStoreError: it waited 10 s for MASTER_ADDR" in out
+    assert "processes left running: 0" in out
+    assert out.splitlines()[-1].startswith(
+        "LIKELY CAUSE: node B joined and the two agents waited for each other")
+
+
 def test_a_crashed_replica_stops_the_run(lesson):
     assert_crashed_rank_stops_the_run(lesson, LAB)
 
@@ -87,6 +126,19 @@ def test_the_lesson_copied_alone_trains_two_replicas_alike(lesson, tmp_path):
     assert re.search(r"^2 replicas, 6 steps committed, accuracy \d+/256; weights apart between "
                      r"replicas: 0\.0$", result.stdout, re.M), result.stdout
     assert os.listdir(tmp_path) == ["fault_tolerance.py"], "its files go to a temporary folder"
+
+
+def test_the_elastic_lesson_copied_alone_runs_as_a_world_of_one_and_resumes(lesson, tmp_path):
+    shutil.copy(REPO / ELASTIC, tmp_path / "elastic.py")
+    for steps in (3, 5):  # the second run resumes from the first one's checkpoint of step 3
+        result = lesson.run(tmp_path / "elastic.py", "--steps", steps, cwd=tmp_path, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "world size 1; resuming from elastic_checkpoints/step0000003.pt" in result.stdout
+    assert "2 steps from step 3 on world size 1" in result.stdout
+    log = (tmp_path / "elastic_checkpoints" / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in log] == [0, 1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path / "elastic_checkpoints")) == [
+        "step0000004.pt", "step0000005.pt", "steps.jsonl"], "the newest two, no temp file"
 
 
 # --- the pieces, in-process ------------------------------------------------------------------------
@@ -115,6 +167,30 @@ def test_a_replicas_batch_is_the_same_in_any_process_and_its_own(prove):
     assert torch.equal(x, prove.lesson.batch(dataset, 1, 7, 16)[0])
     assert not torch.equal(x, prove.lesson.batch(dataset, 2, 7, 16)[0])
     assert y.shape == (16,)
+
+
+def test_the_elastic_lessons_batch_and_log_do_not_depend_on_the_world_size(prove, tmp_path):
+    e = prove.elastic
+    whole = e.step_windows(256, 5, 48, seed=0)  # samples 240-287 of the stream: 2 epochs
+    epochs = e.step_windows(256, 0, 512, seed=0)
+    assert whole == epochs[240:288] and sorted(epochs[:256]) == list(range(256))
+    assert epochs[:256] != epochs[256:], "a new permutation each epoch"
+    assert sorted(whole[0::2] + whole[1::2]) == sorted(whole), "2 ranks share it, none twice"
+    log = tmp_path / "steps.jsonl"
+    for step in range(3):
+        e.log_step(str(log), {"step": step, "world_size": 1, "loss": 1.0})
+    e.log_step(str(log), {"step": 2, "world_size": 1, "loss": 1.0}, resumed=True)  # logged
+    e.log_step(str(log), {"step": 3, "world_size": 2, "loss": 1.0}, resumed=True)  # missing
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_the_elastic_lesson_keeps_the_lessons_limits():
+    text = (REPO / ELASTIC).read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 150 and max(map(len, lines)) <= 100
+    assert len(re.findall(r"add_argument\(\s*[\"'](--[\w-]+)", text)) <= 5
+    imported = set(re.findall(r"^(?:from|import) (\w+)", text, re.M))
+    assert imported <= set(sys.stdlib_module_names) | {"torch"}, imported
 
 
 # --- guard rails and help, in-process ----------------------------------------------------------------
