@@ -624,9 +624,10 @@ def where_it_waits(stacks):
     return collective or "a wait outside torch.distributed", line
 
 
-def cause_of_rank_error(text):
-    """A failed rank's traceback (mp.spawn's text) in one line: where the learner's file raised
-    (grading --lesson), or None. A planned --crash-rank needs no cause."""
+def cause_of_rank_error(text, who=None):
+    """A failed rank's traceback (mp.spawn's text, or a file a process wrote) in one line: where
+    the learner's file raised (grading --lesson), or None. A planned --crash-rank needs no cause.
+    who: the process's name in the line (default: the rank mp.spawn's text names)."""
     if "crashed on purpose" in text or not os.environ.get("COURSE_LESSON"):
         return None
     import re
@@ -636,7 +637,7 @@ def cause_of_rank_error(text):
     error = [line for line in text.strip().splitlines() if line and not line.startswith(" ")]
     what = error[-1] if error else "an error"
     mine = learner_frame(frames)
-    who = f"rank {rank[1]}" if rank else "a rank"
+    who = who or (f"rank {rank[1]}" if rank else "a rank")
     if "Timed out" in what or "Connection closed by peer" in what:
         where = f" at {mine[0]} line {mine[1]} ({mine[2]})" if mine else ""
         return (f"{who} waited in a collective{where} that another rank never joined, until the "

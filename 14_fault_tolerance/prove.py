@@ -148,19 +148,14 @@ def replica_child(replica, address, steps, folder, kill_at, fail_at, broken, cra
 
 def learner_cause(folder, failed):
     """A failed replica's error in one line, where it rose in the learner's file (--lesson), or
-    None (a planned --crash-rank, or the course's own lesson)."""
-    if not os.environ.get("COURSE_LESSON"):
-        return None
+    None (a planned --crash-rank, or the course's own lesson): course.cause_of_rank_error reads
+    the traceback each replica kept."""
     for r in sorted(failed):
         path = os.path.join(folder, f"error-replica{r}.txt")
-        text = open(path).read() if os.path.exists(path) else ""
-        frames = [(f, int(n), name) for f, n, name in
-                  re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)]
-        mine = course.learner_frame(frames)
-        what = [line for line in text.strip().splitlines() if line and not line.startswith(" ")]
-        if mine and what and "crashed on purpose" not in text:
-            return (f"replica {r} raised {what[-1]} in your file ({mine[0]} line {mine[1]}, in "
-                    f"{mine[2]}): fix it there")
+        cause = course.cause_of_rank_error(open(path).read() if os.path.exists(path) else "",
+                                           who=f"replica {r}")
+        if cause:
+            return cause
     return None
 
 
