@@ -765,7 +765,8 @@ def report(wanted, runs, killed, out_dir, facts):
                                              for p in ("ddp", "fsdp")))
         else:  # judged before the torchrun launch: the earlier runs' saves already fail it
             print(f"2. judged from the saves of the runs so far (torchrun's kill not run): "
-                  f"{len(in_place)} run(s) made their checkpoint files in place")
+                  f"{len(in_place)} save(s) of {len({n for n, _ in in_place})} run(s) made "
+                  f"their checkpoint files in place")
         passed[2] = code == 0 and max(resumed) == 0.0 and not in_place
         measured.append(f"resumed {max(resumed):.1e}" if killed else "saves in place")
         loads = {p: (kruns[p].get("rng_after_load"), (runs.get(f"{p}-uninterrupted") or {}).get(
