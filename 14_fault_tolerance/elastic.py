@@ -7,8 +7,8 @@ taken twice, and the weights are those of one process on the same batches.
   torchrun --nnodes=1:2 --nproc-per-node=1 --max-restarts=1 --rdzv-backend=c10d \
       --rdzv-endpoint=NODE_A:29400 --rdzv-id=job1 \
       --rdzv-conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5 \
-      14_fault_tolerance/elastic.py --ckpt-dir /shared/ckpt     # on each node, A first
-  python 14_fault_tolerance/elastic.py          # plain python: a world of one
+      14_fault_tolerance/elastic.py --ckpt-dir /shared/ckpt   # each node; one folder they share
+  python 14_fault_tolerance/elastic.py   # plain python: a world of one (again, larger --steps)
 """
 import argparse
 import datetime
@@ -35,8 +35,7 @@ def make_dataset(samples=256, seed=0):
 
 def make_model(seed=0):
     torch.manual_seed(seed)  # the same initial weights in every process that builds it
-    # No Dropout (fault_tolerance.py has one): each rank would draw its own masks, which one
-    # process on the global batch never draws. Nothing here uses the global RNG after this line.
+    # No Dropout (fault_tolerance.py has one): a rank's own masks, which one process never draws
     return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
@@ -61,8 +60,7 @@ def save_checkpoint(folder, state):
     path = os.path.join(folder, f"step{state['step']:07d}.pt")
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+        f.flush(), os.fsync(f.fileno())  # the bytes are on disk before the rename shows them
     os.replace(path + ".tmp", path)
     if os.name == "posix":  # and the rename itself is on disk
         fd = os.open(folder, os.O_RDONLY)
@@ -75,10 +73,9 @@ def log_step(path, row, resumed=False):
     """A line per step, once its checkpoint is on disk. On resume, the checkpoint's own row goes
     in only if a kill came between its rename and its line: every step is in the log once."""
     lines = open(path).read().splitlines() if resumed and os.path.exists(path) else []
-    if lines and json.loads(lines[-1])["step"] >= row["step"]:
-        return  # in the log already
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    if not lines or json.loads(lines[-1])["step"] < row["step"]:  # not in the log already
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def train(model, optimizer, step, steps, global_batch, folder, device):
@@ -121,9 +118,12 @@ def main(steps=60, global_batch=32, lr=0.05, folder="elastic_checkpoints", timeo
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if device.type == "cuda" else None)
     try:
+        chosen = [None] * world_size  # one folder every node shares, or a rank that loaded
+        dist.all_gather_object(chosen, resume)  # another checkpoint trains on, unseen by DDP
+        if len(set(chosen)) > 1:
+            raise RuntimeError(f"the ranks found different checkpoints in {folder}: {chosen}")
         model = DDP(make_model().to(device), device_ids=[device] if device.type == "cuda" else None)
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        step = 0
+        optimizer, step = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), 0
         if resume:  # every rank loads, onto its own device, tensors and plain types only
             state = torch.load(resume, map_location=device, weights_only=True)
             model.module.load_state_dict(state["model"])
@@ -133,7 +133,7 @@ def main(steps=60, global_batch=32, lr=0.05, folder="elastic_checkpoints", timeo
                 log_step(os.path.join(folder, "steps.jsonl"), state["row"], resumed=True)
         train(model, optimizer, step, steps, global_batch, folder, device)
         if rank == 0:
-            print(f"{steps - step} steps from step {step} on world size {world_size}", flush=True)
+            print(f"{max(steps - step, 0)} steps from step {step} on world size {world_size}")
     finally:
         model = optimizer = None  # DDP holds the process group: release it before destroying
         gc.collect()
