@@ -214,12 +214,12 @@ def run_gpu_plan(lessons, gpus, device, results_path):
                     | ({"last_lines": output.splitlines()[-12:]} if code else {}))
         save_results(results_path, gpus, device, rows, capstone)  # after each: a timeout keeps them
     machine = save_results(results_path, gpus, device, rows, capstone, ask_cuda=True)
-    print(f"\n{'lab':<24}{'exit':<6}{'backend':<11}{'device':<10}{'ranks':<7}{'seconds':<9}difference")
+    print(f"\n{'lab':<24}{'exit':<6}{'backend':<11}{'device':<10}{'ranks':<9}{'seconds':<9}difference")
     for row in rows:
         ranks = ",".join(map(str, row["world_size"])) if isinstance(row["world_size"], list) else \
             row["world_size"] or "-"
         print(f"{row['lab']:<24}{row['exit']:<6}{row['backend'] or '-':<11}{row['device'] or '-':<10}"
-              f"{ranks:<7}{row['seconds']:<9}{row['difference']}")
+              f"{ranks:<9}{row['seconds']:<9}{row['difference']}")  # 1,2,3,4: 7 wide
     for run in capstone:
         print(f"capstone: exit {run['exit']}, {run['tokens_per_s_per_rank']} tokens/s per rank, MFU "
               f"{run['mfu']}, {run['seconds']} s: {run['command']}")

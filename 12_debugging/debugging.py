@@ -119,8 +119,8 @@ def compare(folder, world_size, batch_size, dtype):
     tolerance = {k: scale * (ref[torch.float32][k].double() - v).abs().max().item() + 1e-300
                  for k, v in ref[torch.float64].items()}  # 1e-300: an exact entry needs 0
     found = []
-    for r in range(world_size):  # rank r's rows of the batch; every gradient
-        trace = torch.load(os.path.join(folder, f"trace-rank{r}.pt"), weights_only=True)
+    for r in range(world_size):  # rank r's rows, every gradient; on CPU (NCCL saves on GPU)
+        trace = torch.load(f"{folder}/trace-rank{r}.pt", map_location="cpu", weights_only=True)
         gaps = ((k, (v.double() - ref[mine][k].double()
                      [slice(None) if k.startswith("gradient") else slice(r * b, (r + 1) * b)])
                  .abs().max().item()) for k, v in trace.items())  # in the order they happened

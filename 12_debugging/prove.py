@@ -310,7 +310,8 @@ def largest_gap(folder, dtype):
     ref = lesson.trace_step(lesson.make_model(dtype=d), x.to(d), y)[1]
     gap = 0.0
     for r in (0, 1):
-        trace = torch.load(os.path.join(folder, f"trace-rank{r}.pt"), weights_only=True)
+        trace = torch.load(os.path.join(folder, f"trace-rank{r}.pt"), map_location="cpu",
+                           weights_only=True)
         for k, v in trace.items():
             want = ref[k] if k.startswith("gradient") else ref[k][r * BATCH:(r + 1) * BATCH]
             gap = max(gap, (v.double() - want.double()).abs().max().item())

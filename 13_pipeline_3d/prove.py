@@ -96,7 +96,7 @@ def run_one(rank, mesh, name, schedule_name, broken, out_dir):
                lesson.make_batches(STEPS, dp, rank // tp % dp, BATCH)]
     losses = lesson.train(schedule, stages, batches, say=False, lr=LR)
     weights = {s.stage_index: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
-                               for k, v in s.submod.state_dict().items()} for s in stages}
+                               .cpu() for k, v in s.submod.state_dict().items()} for s in stages}
     order = getattr(schedule, "pipeline_order", None) or {}
     found = {"weights": weights, "losses": losses, "peak": peaks[-1][0], "packed": peaks[-1][1],
              "events": list(events), "pp_rank": mesh.get_local_rank(0),
@@ -248,7 +248,8 @@ def main(argv=None):
         course.spawn_or_fail(lab_worker, (course.find_free_port(), backend, args.broken,
                                           args.crash_rank, args.timeout, out_dir), 4)
         took = time.perf_counter() - start
-        runs = {name: [torch.load(os.path.join(out_dir, f"{name}_{r}.pt"), weights_only=False)
+        runs = {name: [torch.load(os.path.join(out_dir, f"{name}_{r}.pt"), map_location="cpu",
+                                  weights_only=False)
                        for r in range(4)] for name, _, _ in RUNS}
     print(f"the launch took {took:.1f} s on {course.hardware()}")
     LAST.clear(), LAST.update(runs)

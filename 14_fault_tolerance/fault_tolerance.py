@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 
+os.environ.setdefault("RUST_LOG", "warn")  # read when torchft loads: else each quorum at INFO
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -113,7 +114,6 @@ def newest_complete(root):
 
 
 def main(replicas=3, steps=40, batch_size=16, lr=0.05, timeout=60):
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust half logs each quorum at INFO
     lighthouse, (backend, reason) = start_lighthouse(replicas, 1000), choose_backend(replicas)
     print(f"backend: {backend} ({reason}); lighthouse at {lighthouse.address()}", flush=True)
     context, folder = multiprocessing.get_context("spawn"), tempfile.mkdtemp(prefix="lesson14_")

@@ -215,7 +215,8 @@ def prove_torchft(folder, args):
         os.path.join(folder, name)).read().split()) for name in os.listdir(folder)
         if name.startswith("applied")}
     files = [os.path.join(folder, f"replica{r}.pt") for r in range(REPLICAS)]
-    weights = [torch.load(f, weights_only=True) for f in files if os.path.exists(f)]
+    weights = [torch.load(f, map_location="cpu", weights_only=True)  # NCCL: saved on GPU r
+               for f in files if os.path.exists(f)]
     apart = max(course.max_abs_diff(weights[0], w) for w in weights) \
         if len(weights) == REPLICAS else float("inf")  # a replica that never finished
     # participants per step, as the survivor replica 0 saw them: runs of equal counts

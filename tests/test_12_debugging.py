@@ -210,6 +210,24 @@ def test_the_lessons_trace_is_in_the_order_things_happen(prove):
     assert trace["output of 3"].shape == (8, 4) and loss.dim() == 0
 
 
+def test_traces_saved_on_a_gpu_are_read_onto_the_cpu(prove, tmp_path, monkeypatch):
+    """On an H200 (NCCL, gpu_runs/2026-11-28-h200-torch2.11/) compare() raised 'Expected all
+    tensors to be on the same device': a rank's trace loads back onto its GPU, one process's
+    reference is on the CPU. Both readers (the lesson's compare, the lab's largest_gap) must map
+    what they load to the CPU; a CPU run cannot show the failure, so the call is what is checked."""
+    lesson, dataset, loads = prove.lesson, prove.lesson.make_dataset(), []
+    for r, world in ((0, 1), (0, 2), (1, 2)):  # one process's traces, as a rank saves them
+        rows = list(lesson.DistributedSampler(dataset, world, r, seed=0))[:16]
+        trace = lesson.trace_step(lesson.make_model(), *dataset[rows])[1]
+        os.makedirs(tmp_path / f"world{world}", exist_ok=True)
+        torch.save(trace, tmp_path / f"world{world}" / f"trace-rank{r}.pt")
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: loads.append(kw) or real_load(*a, **kw))
+    assert lesson.compare(str(tmp_path / "world1"), 1, 16, "float32") == [None]
+    prove.largest_gap(str(tmp_path / "world2"), "float32")
+    assert len(loads) == 3 and all(kw.get("map_location") == "cpu" for kw in loads), loads
+
+
 # --- guard rails and help, in-process ----------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [

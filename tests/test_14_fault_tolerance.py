@@ -118,7 +118,8 @@ def test_a_crashed_replica_stops_the_run(lesson):
 
 # --- the lesson alone ------------------------------------------------------------------------------
 
-def test_the_lesson_copied_alone_trains_two_replicas_alike(lesson, tmp_path):
+def test_the_lesson_copied_alone_trains_two_replicas_alike(lesson, tmp_path, monkeypatch):
+    monkeypatch.delenv("RUST_LOG", raising=False)  # a user's shell; the lab's import sets it here
     shutil.copy(REPO / LESSON, tmp_path / "fault_tolerance.py")
     result = lesson.run(tmp_path / "fault_tolerance.py", "--replicas", 2, "--steps", 6,
                         cwd=tmp_path, timeout=180)
@@ -126,6 +127,8 @@ def test_the_lesson_copied_alone_trains_two_replicas_alike(lesson, tmp_path):
     assert re.search(r"^2 replicas, 6 steps committed, accuracy \d+/256; weights apart between "
                      r"replicas: 0\.0$", result.stdout, re.M), result.stdout
     assert os.listdir(tmp_path) == ["fault_tolerance.py"], "its files go to a temporary folder"
+    quorums = re.findall(r".*\[INFO\] \[torchft::.*", result.stdout + result.stderr)
+    assert not quorums, f"RUST_LOG set after torchft loaded: {len(quorums)} lines, {quorums[:1]}"
 
 
 def test_the_elastic_lesson_copied_alone_runs_as_a_world_of_one_and_resumes(lesson, tmp_path):
