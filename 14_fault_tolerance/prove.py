@@ -7,6 +7,7 @@ runs elastic.py under two torchrun agents (--nnodes=1:2) while a node joins, the
     python 14_fault_tolerance/prove.py --break no-heal          # no weights from a peer: FAILS
     python 14_fault_tolerance/prove.py --break load-newest      # loads a half-written save: FAILS
     python 14_fault_tolerance/prove.py --break shared-store     # the join deadlocks 10 s: FAILS
+    python 14_fault_tolerance/prove.py --break commit-anyway load-newest shared-store  # together
     python 14_fault_tolerance/prove.py --crash-rank 1           # replica 1 raises: the run stops
 
 torchft: 3 replica groups (one rank each) and the lesson's Lighthouse in this process. Replica 2
@@ -92,7 +93,7 @@ def plant(replica, folder, kill_at, fail_at, broken, crash):
             if kill_at is not None and self.manager.current_step() >= kill_at and \
                     self.manager.num_participants() == REPLICAS:  # after backward, before the vote
                 course.hard_kill(os.getpid())
-            if broken == "commit-anyway":
+            if "commit-anyway" in broken:
                 self.manager.should_commit()
                 return self.optim.step()
             return super().step(closure)
@@ -112,7 +113,7 @@ def plant(replica, folder, kill_at, fail_at, broken, crash):
             group.allreduce = allreduce
             return group
         lesson.ProcessGroupGloo = failing_group
-    if broken == "no-heal":
+    if "no-heal" in broken:
         lesson.Manager = lambda **kw: make_manager(**{**kw, "load_state_dict": lambda s: None})
 
 
@@ -217,8 +218,9 @@ def prove_torchft(folder, args):
     files = [os.path.join(folder, f"replica{r}.pt") for r in range(REPLICAS)]
     weights = [torch.load(f, map_location="cpu", weights_only=True)  # NCCL: saved on GPU r
                for f in files if os.path.exists(f)]
-    apart = max(course.max_abs_diff(weights[0], w) for w in weights) \
-        if len(weights) == REPLICAS else float("inf")  # a replica that never finished
+    each = [course.max_abs_diff(weights[0], w) for w in weights] \
+        if len(weights) == REPLICAS else [float("inf")] * REPLICAS  # one never finished
+    apart = max(each)  # replica 1 is the one whose all-reduce fails; 2 the one that heals
     # participants per step, as the survivor replica 0 saw them: runs of equal counts
     runs = []
     for row in logs[0]:
@@ -264,8 +266,8 @@ def prove_torchft(folder, args):
     print(f"  the stall after the kill (its step less {PACE} s): {stall:.2f} s (join timeout "
           f"{JOIN_MS / 1000:.1f} s)", flush=True)
     print(f"  the returning replica healed from a peer: its first step is {returning[0]['step']}"
-          f" (not 0); largest weight difference between the 3 replicas at the end: {apart}",
-          flush=True)
+          f" (not 0); largest weight difference between the 3 replicas at the end: {apart} "
+          f"(against replica 0: replica 1 {each[1]}, replica 2 {each[2]})", flush=True)
     stall_ok = JOIN_MS / 1000 * 0.8 <= stall <= JOIN_MS / 1000 + 2.0
     one_discard = list(discarded.values()) == [1] and next(iter(discarded)).startswith("1-")
     healed = returning[0]["step"] > kill_step and len(per_life) == REPLICAS + 1
@@ -281,7 +283,7 @@ def prove_torchft(folder, args):
          "the quorum discarded (real optimizer steps > commits above); step through torchft's "
          "Optimizer, which asks should_commit() "
          f"({course.lesson_line(LESSON_FILE, 'Optimizer(')})"),
-        (apart != 0.0, "a replica that healed did not load its peer's weights: the Manager's "
+        (each[2] != 0.0, "a replica that healed did not load its peer's weights: the Manager's "
          "load_state_dict must load the model and the optimizer "
          f"({course.lesson_line(LESSON_FILE, 'load_state_dict=lambda')})"),
         (not stall_ok, f"the survivors stalled {stall:.2f} s, not the join timeout: the "
@@ -367,7 +369,7 @@ def prove_checkpoints(folder, args):
                                              "before their first checkpoints", sys.stderr) and 1)
     measured = json.load(open(os.path.join(folder, "ckpt.json")))
     root = os.path.join(folder, "checkpoints")
-    if args.broken == "load-newest":
+    if "load-newest" in args.broken:
         lesson.newest_complete = lambda root: max(os.listdir(root), key=lambda d: int(d[5:]))
     flight = os.path.join(root, "step-5")
     files = sorted(os.listdir(flight)) if os.path.isdir(flight) else []
@@ -481,7 +483,7 @@ def run_elastic(folder, args):
     """Node A's agent; node B's when A pauses at step JOIN; B's agent and worker SIGKILLed when
     the world of 2 pauses at step LEAVE. Returns (A's exit code, the rows of the lesson's log,
     {event: seconds}, the pids seen, the settings); progress lines as it goes."""
-    shared, port, start = args.broken == "shared-store", course.find_free_port(), time.monotonic()
+    shared, port, start = "shared-store" in args.broken, course.find_free_port(), time.monotonic()
     log, nodes, seen, at = os.path.join(folder, "ckpt", "steps.jsonl"), {}, set(), {}
     rows = []
     try:
@@ -638,7 +640,7 @@ def prove_elastic(folder, args):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     course.add_lesson_flag(parser, "fault_tolerance")
-    course.add_break_flag(parser, BREAKS)
+    course.add_break_flag(parser, BREAKS, several=True)  # each breaks its own part
     parser.add_argument("--crash-rank", type=int, metavar="R",
                         help="replica R raises at step 2: the run must stop with its error")
     parser.add_argument("--steps", type=int, default=60, help="steps to commit (default 60)")
@@ -648,6 +650,7 @@ def parse_args(argv):
                         help="seconds before the lab gives up on the run (default 240)")
     parser.add_argument("--as-elastic-worker", metavar="SETTINGS", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.broken = args.broken or []
     if args.as_elastic_worker:
         return args
     course.refuse_bad_crash_rank(args.crash_rank, REPLICAS, args.steps)
@@ -662,18 +665,22 @@ def main(argv=None):
     if args.as_elastic_worker:  # under torchrun: one rank of the elastic run
         elastic_worker(json.loads(args.as_elastic_worker))
         return 0
+    broken = set(args.broken)  # a --break runs the part it breaks; the default, every part
+    torchft = not broken or bool(broken & {"commit-anyway", "no-heal"})
+    checkpoints = (not broken or "load-newest" in broken) and args.crash_rank is None
+    elastic_run = (not broken or "shared-store" in broken) and args.crash_rank is None
     print(("backend: gloo (torchft's ProcessGroupGloo on CPU, where the lab plants its failure), "
-           f"{REPLICAS} replica(s) of 1 rank each" if args.broken != "shared-store" else
+           f"{REPLICAS} replica(s) of 1 rank each" if torchft or checkpoints else
            "backend: gloo (CPU: the elastic run's 2 nodes share this machine), 1 rank a node")
-          + (f"; --break {args.broken}: {BREAKS[args.broken]}" if args.broken else ""), flush=True)
+          + "".join(f"; --break {name}: {BREAKS[name]}" for name in args.broken), flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="prove14_") as folder:
-        if args.broken not in ("load-newest", "shared-store"):  # a --break runs the part it breaks
+        if torchft:
             os.makedirs(os.path.join(folder, "ft"))
             results.append(prove_torchft(os.path.join(folder, "ft"), args))
-        if args.broken in (None, "load-newest") and args.crash_rank is None:
+        if checkpoints:
             results.append(prove_checkpoints(folder, args))
-        if args.broken in (None, "shared-store") and args.crash_rank is None:
+        if elastic_run:
             if os.environ.get("COURSE_LESSON"):  # --lesson grades fault_tolerance.py only
                 print("\nelastic torchrun: not run with --lesson (it grades fault_tolerance.py; "
                       "the elastic claim runs elastic.py)", flush=True)
@@ -682,8 +689,11 @@ def main(argv=None):
     passed = all(r[0] for r in results)
     code = course.report_proof(passed, "; ".join(r[1] for r in results),
                                "; ".join(r[2] for r in results), "; ".join(r[4] for r in results))
-    if code:
-        course.diagnose([c for r in results for c in r[3]], "; ".join(r[2] for r in results))
+    causes = [next((cause for fits, cause in r[3] if fits), None) for r in results if not r[0]]
+    if code and any(causes):  # a part's first cause that fits, each part's in one line
+        course.report_cause("; and ".join(cause for cause in causes if cause))
+    elif code:
+        course.report_unknown("; ".join(r[2] for r in results))
     return code
 
 
