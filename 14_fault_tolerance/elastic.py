@@ -25,8 +25,7 @@ from torch.utils.data import TensorDataset
 
 
 def make_dataset(samples=256, seed=0):
-    """A learnable 4-class problem from its own seeded generator, never the global RNG: every
-    process that builds it gets the same bytes, whatever that process did before."""
+    """A learnable 4-class problem from a seeded generator of its own: the same in any process."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, 20, generator=g)
     y = (x @ torch.randn(20, 4, generator=g)).argmax(dim=1)
@@ -40,8 +39,7 @@ def make_model(seed=0):
 
 
 def step_windows(length, step, global_batch, seed):
-    """The samples of one optimizer step (lesson 11's): the next `global_batch` of one endless
-    stream, a new permutation every epoch. It does not depend on the world size."""
+    """A step's samples (lesson 11's): the next global_batch of a stream, on any world size."""
     windows, start = [], step * global_batch
     while len(windows) < global_batch:
         epoch, offset = divmod(start + len(windows), length)
@@ -63,8 +61,7 @@ def save_checkpoint(folder, state):
         f.flush(), os.fsync(f.fileno())  # the bytes are on disk before the rename shows them
     os.replace(path + ".tmp", path)
     if os.name == "posix":  # and the rename itself is on disk
-        fd = os.open(folder, os.O_RDONLY)
-        os.fsync(fd), os.close(fd)
+        os.fsync(fd := os.open(folder, os.O_RDONLY)), os.close(fd)
     for old in sorted(glob.glob(os.path.join(folder, "step*.pt")))[:-2]:
         os.remove(old)  # keep this one and the one before it
 
@@ -88,12 +85,12 @@ def train(model, optimizer, step, steps, global_batch, folder, device):
         optimizer.zero_grad()
         loss.backward()  # DDP averages the gradients across ranks here
         optimizer.step()
-        mean = loss.detach() / world_size
-        dist.all_reduce(mean)  # the global batch's mean loss, for the log only
+        dist.all_reduce(mean := loss.detach() / world_size)  # the global batch's mean loss, to log
         step += 1
         if rank == 0:  # one writer, on a file system every node shares
             row = {"step": step - 1, "world_size": world_size, "loss": mean.item()}
-            save_checkpoint(folder, {"step": step, "row": row, "model": model.module.state_dict(),
+            save_checkpoint(folder, {"step": step, "row": row, "global_batch": global_batch,
+                                     "model": model.module.state_dict(),
                                      "optimizer": optimizer.state_dict()})
             log_step(os.path.join(folder, "steps.jsonl"), row)
             if row["step"] % 10 == 0 or step == steps:
@@ -126,6 +123,9 @@ def main(steps=60, global_batch=32, lr=0.05, folder="elastic_checkpoints", timeo
         optimizer, step = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), 0
         if resume:  # every rank loads, onto its own device, tensors and plain types only
             state = torch.load(resume, map_location=device, weights_only=True)
+            saved = (state.get("global_batch"), state["optimizer"]["param_groups"][0]["lr"])
+            if saved != (global_batch, lr):  # another run's steps: its windows, its updates
+                raise SystemExit(f"{resume} holds --global-batch, --lr {saved}: not this run's")
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             step = state["step"]

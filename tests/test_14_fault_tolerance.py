@@ -139,6 +139,25 @@ def test_the_elastic_lesson_copied_alone_runs_as_a_world_of_one_and_resumes(less
 
 # --- the pieces, in-process ------------------------------------------------------------------------
 
+def test_the_elastic_lesson_refuses_another_runs_checkpoint(prove, tmp_path, monkeypatch, capsys):
+    """A --ckpt-dir saved with another --global-batch or --lr: a resume would take other windows
+    or other updates (the optimizer's state brings back the old lr) and say nothing. In-process,
+    a world of one: the refusal in one line, then the same settings resume."""
+    world = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    for key, value in world.items():  # set here, so that main() leaves os.environ alone
+        monkeypatch.setenv(key, value)
+    main, folder = prove.elastic.main, str(tmp_path / "ckpt")
+    main(steps=2, global_batch=32, lr=0.05, folder=folder, timeout=30)
+    for other in (dict(global_batch=16, lr=0.05), dict(global_batch=32, lr=0.1)):
+        with pytest.raises(SystemExit, match=r"step0000002\.pt holds --global-batch, --lr "
+                                             r"\(32, 0\.05\): not this run's"):
+            main(steps=3, folder=folder, timeout=30, **other)
+    main(steps=3, global_batch=32, lr=0.05, folder=folder, timeout=30)
+    assert "1 steps from step 2 on world size 1" in capsys.readouterr().out
+    assert not prove.dist.is_initialized(), "every run destroys its process group"
+
+
 def test_the_lighthouse_listens_on_a_free_port_and_shuts_down(prove):
     lighthouse = prove.lesson.start_lighthouse(1, 100)
     try:
