@@ -15,6 +15,8 @@ import itertools
 import os
 import sys
 
+# TODO(lesson 14): before torch and torchft are imported, RUST_LOG=warn unless it is set (torchft
+#     reads it when it loads; else every quorum logs at INFO)
 import torch
 import torch.distributed as dist
 # TODO(lesson 14): import torch.distributed.checkpoint (as dcp)

@@ -361,6 +361,8 @@ DIFF_EXERCISES = {
         ("Lesson 14", GIVEN),
         ("import json", ["import what the step log and the replicas' processes need"]),
         ("import shutil", SAME), ("import tempfile", SAME),
+        ("RUST_LOG", ["before torch and torchft are imported, RUST_LOG=warn unless it is set "
+                      "(torchft reads it when it loads; else every quorum logs at INFO)"]),
         ("torch.distributed.checkpoint", ["import torch.distributed.checkpoint (as dcp)"]),
         ("torchft", ["import torchft's DistributedDataParallel (as DDP), Manager, Optimizer, "
                      "ProcessGroupGloo and ProcessGroupNCCL, and LighthouseServer from "
