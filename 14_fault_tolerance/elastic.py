@@ -89,9 +89,9 @@ def train(model, optimizer, step, steps, global_batch, folder, device):
         step += 1
         if rank == 0:  # one writer, on a file system every node shares
             row = {"step": step - 1, "world_size": world_size, "loss": mean.item()}
-            save_checkpoint(folder, {"step": step, "row": row, "global_batch": global_batch,
-                                     "model": model.module.state_dict(),
-                                     "optimizer": optimizer.state_dict()})
+            save_checkpoint(folder, {"step": step, "row": row, "model": model.module.state_dict(),
+                                     "optimizer": optimizer.state_dict(),
+                                     "settings": [global_batch, optimizer.defaults["lr"]]})
             log_step(os.path.join(folder, "steps.jsonl"), row)
             if row["step"] % 10 == 0 or step == steps:
                 print(f"step {row['step']:3d}  world size {world_size}  loss {row['loss']:.4f}")
@@ -123,9 +123,9 @@ def main(steps=60, global_batch=32, lr=0.05, folder="elastic_checkpoints", timeo
         optimizer, step = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), 0
         if resume:  # every rank loads, onto its own device, tensors and plain types only
             state = torch.load(resume, map_location=device, weights_only=True)
-            saved = (state.get("global_batch"), state["optimizer"]["param_groups"][0]["lr"])
-            if saved != (global_batch, lr):  # another run's steps: its windows, its updates
-                raise SystemExit(f"{resume} holds --global-batch, --lr {saved}: not this run's")
+            if (saved := state.get("settings")) != [global_batch, lr]:  # another run's windows
+                raise SystemExit(f"{resume}: saved with --global-batch, --lr {saved}, not "
+                                 f"{[global_batch, lr]}: resume only the same run")
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             step = state["step"]

@@ -54,6 +54,7 @@ if "--as-elastic-worker" not in sys.argv:
 
 LESSON_FILE = "14_fault_tolerance/fault_tolerance.py"
 REPLICAS, JOIN_MS = 3, 1000
+TORCHFT_BREAKS = {"commit-anyway", "no-heal"}  # the --breaks of the replicas' part
 PACE = 0.1  # seconds a step of a replica takes while the quorum is short
 BREAKS = {
     "commit-anyway": "the optimizer steps whatever should_commit() says: replica 1 applies the "
@@ -283,12 +284,17 @@ def prove_torchft(folder, args):
          "the quorum discarded (real optimizer steps > commits above); step through torchft's "
          "Optimizer, which asks should_commit() "
          f"({course.lesson_line(LESSON_FILE, 'Optimizer(')})"),
-        (each[2] != 0.0, "a replica that healed did not load its peer's weights: the Manager's "
+        (len(weights) < REPLICAS, f"{REPLICAS - len(weights)} replica(s) never saved final "
+         "weights: a replica that returns must find a quorum before the survivors finish"),
+        (0.0 < each[2] < float("inf"), "a replica that healed did not load its peer's weights: "
+         "the Manager's "
          "load_state_dict must load the model and the optimizer "
          f"({course.lesson_line(LESSON_FILE, 'load_state_dict=lambda')})"),
         (not stall_ok, f"the survivors stalled {stall:.2f} s, not the join timeout: the "
          f"Lighthouse's join_timeout_ms ({course.lesson_line(LESSON_FILE, 'join_timeout_ms=')})"),
     ]
+    fitting = [cause for fits, cause in causes if fits]  # several breaks: each its own cause
+    causes = [(bool(fitting), "; and ".join(fitting))]
     return ok, ("the survivors train on without a restart; every step committed, none twice, "
                 "none applied outside a commit; the stall is the join timeout; the failed "
                 "all-reduce's step discarded; the returning replica heals and all end "
@@ -654,6 +660,11 @@ def parse_args(argv):
     if args.as_elastic_worker:
         return args
     course.refuse_bad_crash_rank(args.crash_rank, REPLICAS, args.steps)
+    if args.crash_rank is not None and args.broken and not set(args.broken) & TORCHFT_BREAKS:
+        course.refuse("--crash-rank crashes a replica: give it alone or with a --break of the "
+                      f"replicas ({', '.join(sorted(TORCHFT_BREAKS))})")
+    if os.environ.get("COURSE_LESSON") and args.broken == ["shared-store"]:
+        course.refuse("--break shared-store breaks elastic.py, which --lesson does not run")
     if not 1 <= args.kill_step or args.kill_step + 12 > args.steps:
         course.refuse(f"--kill-step must be from 1 to --steps - 12 ({args.steps - 12}): the "
                       "all-reduce fails 10 steps after the kill, and the heal needs a step")
@@ -666,7 +677,7 @@ def main(argv=None):
         elastic_worker(json.loads(args.as_elastic_worker))
         return 0
     broken = set(args.broken)  # a --break runs the part it breaks; the default, every part
-    torchft = not broken or bool(broken & {"commit-anyway", "no-heal"})
+    torchft = not broken or bool(broken & TORCHFT_BREAKS)
     checkpoints = (not broken or "load-newest" in broken) and args.crash_rank is None
     elastic_run = (not broken or "shared-store" in broken) and args.crash_rank is None
     print(("backend: gloo (torchft's ProcessGroupGloo on CPU, where the lab plants its failure), "
@@ -690,10 +701,12 @@ def main(argv=None):
     code = course.report_proof(passed, "; ".join(r[1] for r in results),
                                "; ".join(r[2] for r in results), "; ".join(r[4] for r in results))
     causes = [next((cause for fits, cause in r[3] if fits), None) for r in results if not r[0]]
-    if code and any(causes):  # a part's first cause that fits, each part's in one line
-        course.report_cause("; and ".join(cause for cause in causes if cause))
+    unknown = [r[2] for r in results if not r[0] and not any(fits for fits, _ in r[3])]
+    if code and any(causes):  # a failed part's first cause that fits, every part in one line
+        course.report_cause("; and ".join([cause for cause in causes if cause] + [
+            f"cause unknown: {measured}" for measured in unknown]))
     elif code:
-        course.report_unknown("; ".join(r[2] for r in results))
+        course.report_unknown("; ".join(unknown))
     return code
 
 

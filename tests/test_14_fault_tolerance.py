@@ -150,11 +150,19 @@ def test_the_elastic_lesson_refuses_another_runs_checkpoint(prove, tmp_path, mon
     main, folder = prove.elastic.main, str(tmp_path / "ckpt")
     main(steps=2, global_batch=32, lr=0.05, folder=folder, timeout=30)
     for other in (dict(global_batch=16, lr=0.05), dict(global_batch=32, lr=0.1)):
-        with pytest.raises(SystemExit, match=r"step0000002\.pt holds --global-batch, --lr "
-                                             r"\(32, 0\.05\): not this run's"):
+        mine = [other["global_batch"], other["lr"]]
+        with pytest.raises(SystemExit, match=re.escape(
+                f"step0000002.pt: saved with --global-batch, --lr [32, 0.05], not {mine}: resume "
+                "only the same run")):
             main(steps=3, folder=folder, timeout=30, **other)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
+    scheduled = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.1)  # a copier's
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.005) and \
+        optimizer.defaults["lr"] == 0.05, \
+        "the check reads defaults, which a scheduler leaves alone: a resume is not refused"
     main(steps=3, global_batch=32, lr=0.05, folder=folder, timeout=30)
     assert "1 steps from step 2 on world size 1" in capsys.readouterr().out
+    del scheduled
     assert not prove.dist.is_initialized(), "every run destroys its process group"
 
 
@@ -215,6 +223,8 @@ def test_the_elastic_lesson_keeps_the_lessons_limits():
     (["--steps", "20", "--kill-step", "10"], "--kill-step must be from 1 to --steps - 12 (8)"),
     (["--crash-rank", "3"], "--crash-rank must be a rank from 0 to 2"),
     (["--break", "heal"], "invalid choice: 'heal'"),
+    (["--break", "load-newest", "shared-store", "--crash-rank", "1"],  # it would prove nothing
+     "--crash-rank crashes a replica: give it alone or with a --break of the replicas"),
 ])
 def test_impossible_choices_are_refused_before_any_replica_starts(prove, capsys, args,
                                                                     message):
