@@ -64,9 +64,9 @@ def train_replica(replica, lighthouse, steps, folder, batch_size=16, lr=0.05, ti
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     model = make_model().to(device)  # the group's own store, above: its ranks' rendezvous
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    pg = (ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo)(timeout=timeout)
     manager = Manager(
-        pg=(ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo)(timeout=timeout),
-        min_replica_size=1, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
+        pg=pg, min_replica_size=1, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
         connect_timeout=timeout, load_state_dict=lambda state: (
             model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])),
         state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
@@ -90,7 +90,7 @@ def train_replica(replica, lighthouse, steps, folder, batch_size=16, lr=0.05, ti
                                   "participants": manager.num_participants(), "loss": losses[-1],
                                   "seconds": time.monotonic() - start, "pid": os.getpid()}) + "\n")
     torch.save(model.module.state_dict(), os.path.join(folder, f"replica{replica}.pt"))
-    manager.shutdown(wait=False)  # (an exception ends the process, and its servers with it)
+    manager.shutdown(wait=False), pg.shutdown()  # pg before `store` goes: NCCL's heartbeat reads it
     return losses
 
 
