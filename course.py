@@ -20,13 +20,16 @@ script stays self-contained, so a reader can copy it alone.
     lesson_line(path, text)           "name.py line N": the course's line a learner compares with
     run_lab(main)                     a lab's entry point: never a traceback in the lab's own code
                                       because of a learner's file (one line instead)
+    exit_now(code)                    sys.exit(code) without the 2 to 4 s of torch's teardown
 """
+import atexit
 import contextlib
 import faulthandler
 import importlib.util
 import inspect
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import platform
 import random
@@ -34,6 +37,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -354,10 +358,10 @@ def learner_frame(frames, path=None):
 
 
 def run_lab(main, argv=None):
-    """A lab's entry point: `sys.exit(course.run_lab(main))`. An exception that escapes the lab
-    while it grades a learner's file (--lesson) is one line, not a traceback in the lab's code:
-    where the learner's file raised, or which of its answers the lab could not use. Grading the
-    course's own lesson, a traceback is a bug of the course and is shown whole."""
+    """A lab's entry point: `course.exit_now(course.run_lab(main))`. An exception that escapes the
+    lab while it grades a learner's file (--lesson) is one line, not a traceback in the lab's
+    code: where the learner's file raised, or which of its answers the lab could not use. Grading
+    the course's own lesson, a traceback is a bug of the course and is shown whole."""
     try:
         return main(argv)
     except Exception as error:
@@ -375,6 +379,26 @@ def run_lab(main, argv=None):
                      f"lab's {lab.name}); compare their return values with the lesson's")
         report_cause(cause, sys.stderr)
         return 1
+
+
+def exit_now(code):
+    """A lab's last call: `course.exit_now(course.run_lab(main))`. sys.exit would spend 2 to 4 s
+    after the lab's last line on the interpreter's teardown, mostly a garbage collection of the
+    object graph torch imports (py-spy: gc_collect_main), and so would the forkserver that started
+    the ranks, which holds the lab's stdout: whoever reads it (a terminal's pipe, the suite) waits
+    for both, in every lab run. Its ranks have ended: the forkserver is stopped (SIGTERM, no
+    teardown). The atexit handlers still run (multiprocessing's, tempfile's, logging's); with a
+    thread still running (Python would wait for it), or a message for a code, this is sys.exit."""
+    if not isinstance(code, (int, type(None))) or any(
+            t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        sys.exit(code)
+    server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if server and not multiprocessing.active_children():
+        with contextlib.suppress(OSError):
+            os.kill(server, signal.SIGTERM)
+    atexit._run_exitfuncs()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code or 0)
 
 
 # ------------------------------------------------------------------------------- hangs

@@ -218,4 +218,4 @@ def likely_cause(processes, epochs):
 
 
 if __name__ == "__main__":  # required: mp.spawn re-imports this file in every child
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

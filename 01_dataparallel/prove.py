@@ -302,4 +302,4 @@ def likely_cause(steps, batches, replicas, tolerance, per_epoch):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

@@ -293,4 +293,4 @@ def likely_cause(args, dev0, dev1, ddp, pipes, between, vs_global, vs_pipe, d_ou
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

@@ -442,4 +442,4 @@ def likely_cause(ranks, resumed, begin, counted, alone, in_place, saved_rng):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

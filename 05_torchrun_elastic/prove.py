@@ -489,4 +489,4 @@ def resumed_cause(found, start, resume_step, straight, resumed):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

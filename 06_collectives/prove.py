@@ -494,4 +494,4 @@ def likely_cause(ranks, parts, between, vs_ddp, worst, mismatches):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

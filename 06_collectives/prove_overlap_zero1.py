@@ -320,4 +320,4 @@ def likely_cause(ranks, reference, state_bytes, ddp_bytes):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

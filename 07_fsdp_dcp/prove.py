@@ -436,4 +436,4 @@ def likely_cause(runs, n, last, resume_on):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

@@ -353,4 +353,4 @@ def likely_cause(server, trainer, losses, first_grads, d_grads, grad_none, per_e
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

@@ -490,4 +490,4 @@ def likely_cause(ranks, reference_steps, reference_norms, n, k, epochs, broken, 
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

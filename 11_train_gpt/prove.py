@@ -994,6 +994,6 @@ def exact_evaluation(run, val_set, context):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))
 else:  # imported by a test, or by mp.spawn's forkserver: the course's lesson until told otherwise
     use_lesson(LESSON)

@@ -19,7 +19,6 @@ sampler seeded per rank. Each bug must be named at its layer; the correct run, n
 """
 import argparse
 import contextlib
-import datetime
 import io
 import logging
 import os
@@ -537,4 +536,4 @@ def prove_divergences(folder, args):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

@@ -330,4 +330,4 @@ def report(runs, args):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))

@@ -711,4 +711,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(course.run_lab(main))
+    course.exit_now(course.run_lab(main))
