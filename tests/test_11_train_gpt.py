@@ -143,7 +143,7 @@ def test_dropout_seeded_by_the_global_rank_drifts_a_copys_ranks_apart_and_fails_
     """DDP's seed + 1 + rank under --tp: the weights a copy's two ranks both hold whole, which
     must stay equal, drift apart with dropout (the run itself ends without a complaint)."""
     marker = uuid.uuid4().hex
-    result = run_lesson(LAB, "--break", "dropout-by-global-rank", timeout=170, marker=marker)
+    result = run_lesson(LAB, "--break", "dropout-by-global-rank", timeout=300, marker=marker)
     assert not kill_leftovers(marker), "the lab left processes running"
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     line = last_line_matching(r"^7\. ", result.stdout)
@@ -465,7 +465,7 @@ def test_a_cnn_on_fakedata_replaces_two_functions_and_the_lab_still_proves_it(tm
     run_once_per_session("test_11_train_gpt.cnn")
     copy = copy_of_the_lesson(tmp_path / "my_project", CNN)
     marker = uuid.uuid4().hex
-    result = run_lesson(LAB, "--lesson", copy, timeout=170, marker=marker)
+    result = run_lesson(LAB, "--lesson", copy, timeout=300, marker=marker)
     assert not kill_leftovers(marker), "the lab left processes running"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "of 37 samples: 37" in result.stdout and "PROOF PASSED" in result.stdout
@@ -477,7 +477,7 @@ def test_a_regression_with_squared_error_replaces_two_functions_and_the_lab_prov
     target; claim 4 checks the evaluation's value, not only its count."""
     copy = copy_of_the_lesson(tmp_path / "regression", MSE)
     marker = uuid.uuid4().hex
-    result = run_lesson(LAB, "--lesson", copy, "--claims", 1, 4, timeout=170, marker=marker)
+    result = run_lesson(LAB, "--lesson", copy, "--claims", 1, 4, timeout=300, marker=marker)
     assert not kill_leftovers(marker), "the lab left processes running"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "of 89 samples: 89" in result.stdout and "PROOF PASSED" in result.stdout
