@@ -386,18 +386,24 @@ def exit_now(code):
     after the lab's last line on the interpreter's teardown, mostly a garbage collection of the
     object graph torch imports (py-spy: gc_collect_main), and so would the forkserver that started
     the ranks, which holds the lab's stdout: whoever reads it (a terminal's pipe, the suite) waits
-    for both, in every lab run. Its ranks have ended: the forkserver is stopped (SIGTERM, no
-    teardown). The atexit handlers still run (multiprocessing's, tempfile's, logging's); with a
-    thread still running (Python would wait for it), or a message for a code, this is sys.exit."""
-    if not isinstance(code, (int, type(None))) or any(
+    for both, in every lab run that returns (a RUN FAILED or a refusal raises SystemExit: the
+    usual exit). Its ranks have ended: the forkserver is stopped (SIGTERM, no teardown). The atexit
+    handlers still run (multiprocessing's, tempfile's, logging's). This is sys.exit with a thread
+    still running (Python would wait for it), a message for a code, or in a rank under torchrun
+    (RANK set: a lab's worker role runs a learner's code, whose unclosed files the teardown
+    flushes)."""
+    if not isinstance(code, (int, type(None))) or "RANK" in os.environ or any(
             t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
         sys.exit(code)
+    for child in multiprocessing.active_children():  # a rank SIGKILLed a moment ago
+        child.join(0.5)
     server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     if server and not multiprocessing.active_children():
         with contextlib.suppress(OSError):
             os.kill(server, signal.SIGTERM)
     atexit._run_exitfuncs()
-    sys.stdout.flush(), sys.stderr.flush()
+    with contextlib.suppress(OSError, ValueError):  # a reader that has gone: nothing to lose
+        sys.stdout.flush(), sys.stderr.flush()
     os._exit(code or 0)
 
 

@@ -42,7 +42,6 @@ ZERO_BUBBLE = [s for s in ZERO_BUBBLE if s not in SKIPPED]
 RUNS = [*((s, s, (2, 1, 2, 1)) for s in PLAIN + ZERO_BUBBLE), ("tp", "Schedule1F1B", (2, 1, 1, 2)),
         ("hsdp", "ScheduleGPipe", (1, 2, 2, 1))]
 STEPS, MICRO, BATCH, LR = 2, 4, 16, 0.05
-LAST = {}  # the last launch's files, {name: [what each rank saved]} (the notebook draws them)
 BREAKS = {"nested-reshard": "fully_shard each block with reshard_after_forward=True (what FSDP2 "
           "does to a non-root module by default) under the zero-bubble schedules",
           "hsdp-no-replicate": "HSDP's fully_shard over the shard dimension only: replicas drift"}
@@ -252,7 +251,6 @@ def main(argv=None):
                                   weights_only=False)
                        for r in range(4)] for name, _, _ in RUNS}
     print(f"the launch took {took:.1f} s on {course.hardware()}")
-    LAST.clear(), LAST.update(runs)
     if args.plot:
         plot_timeline(runs, path=args.plot)
     return report(runs, args)
