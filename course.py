@@ -398,8 +398,9 @@ def exit_now(code):
     for child in multiprocessing.active_children():  # a rank SIGKILLed a moment ago
         child.join(0.5)
     server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
-    if server and not multiprocessing.active_children():
-        with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, IndexError, ValueError):  # still ours: pids are reused
+        if server and not multiprocessing.active_children() and int(open(
+                f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid():
             os.kill(server, signal.SIGTERM)
     atexit._run_exitfuncs()
     with contextlib.suppress(OSError, ValueError):  # a reader that has gone: nothing to lose
